@@ -1,0 +1,129 @@
+/* The CUDA backend: context state, errors, pointer checks, the vtable. */
+#include <stdlib.h>
+
+#include "cuda.h"
+
+extern "C" {
+
+int fm_cuda_compiled(void) { return 1; }
+
+int fm_cuda_device_usable(int device)
+{
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        cudaGetLastError(); /* clear the sticky "no driver" error */
+        return 0;
+    }
+    return device < n;
+}
+
+int fm_cuda_pointer_is_device(const void *p)
+{
+    if (!p)
+        return -1;
+    cudaPointerAttributes a;
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+        cudaGetLastError();
+        return -1;
+    }
+    if (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged)
+        return 1;
+    if (a.type == cudaMemoryTypeHost)
+        return -1; /* pinned host memory is reachable from both: say nothing */
+    return 0;
+}
+
+fm_status fm_cuda_check(fm_context *ctx, cudaError_t err, const char *what)
+{
+    if (err == cudaSuccess)
+        return FM_OK;
+    return fm_error(ctx, err == cudaErrorMemoryAllocation ? FM_ERR_OUT_OF_MEMORY : FM_ERR_BACKEND,
+                    "%s: CUDA error %d (%s): %s", what, (int)err, cudaGetErrorName(err), cudaGetErrorString(err));
+}
+
+fm_status fm_cuda_check_launch(fm_context *ctx, const char *kernel)
+{
+    return fm_cuda_check(ctx, cudaGetLastError(), kernel);
+}
+
+static fm_status cuda_synchronize(fm_context *ctx)
+{
+    cudaSetDevice(fm_cuda(ctx)->device);
+    return fm_cuda_check(ctx, cudaStreamSynchronize(fm_cuda_stream(ctx)), "fm_context_synchronize");
+}
+
+static fm_status cuda_set_stream(fm_context *ctx, void *stream)
+{
+    ctx->stream = stream;
+    return FM_OK;
+}
+
+static void cuda_destroy(fm_context *ctx)
+{
+    fm_cuda_state *s = fm_cuda(ctx);
+    if (!s)
+        return;
+    cudaSetDevice(s->device);
+    if (s->workspace)
+        cudaFree(s->workspace);
+    if (s->lt)
+        cublasLtDestroy(s->lt);
+    free(s);
+    ctx->be_state = NULL;
+}
+
+static const fm_backend cuda_backend = {
+    /* .name                 = */ "cuda",
+    /* .device               = */ FM_DEVICE_CUDA,
+    /* .quantize             = */ NULL,
+    /* .dequantize           = */ NULL,
+    /* .scale_layout_convert = */ NULL,
+    /* .synchronize          = */ cuda_synchronize,
+    /* .set_stream           = */ cuda_set_stream,
+    /* .destroy              = */ cuda_destroy,
+};
+
+fm_status fm_cuda_backend_init(fm_context *ctx, const fm_context_config *cfg)
+{
+    int n = 0;
+    cudaError_t err = cudaGetDeviceCount(&n);
+    if (err != cudaSuccess || n == 0) {
+        cudaGetLastError();
+        return fm_create_error(FM_ERR_NO_DEVICE, "backend: CUDA was asked for but no CUDA device is usable (%s)",
+                               err != cudaSuccess ? cudaGetErrorString(err) : "0 devices");
+    }
+    if (cfg->device >= n)
+        return fm_create_error(FM_ERR_INVALID_ARG, "cfg->device: %d, but only %d CUDA device(s) exist", cfg->device, n);
+    fm_cuda_state *s = (fm_cuda_state *)calloc(1, sizeof *s);
+    if (!s)
+        return fm_create_error(FM_ERR_OUT_OF_MEMORY, "fm_context_create: out of host memory");
+    s->device = cfg->device;
+    ctx->be_state = s;
+    ctx->be = &cuda_backend;
+    const char *step = "cudaSetDevice";
+    if ((err = cudaSetDevice(s->device)) != cudaSuccess ||
+        (step = "cudaGetDeviceProperties", err = cudaGetDeviceProperties(&s->prop, s->device)) != cudaSuccess)
+        goto fail;
+    if (s->prop.major < 9) {
+        cuda_destroy(ctx);
+        return fm_create_error(FM_ERR_UNSUPPORTED, "backend: device %d (%s) is sm_%d%d; flowmoe's kernels need sm_90 (Hopper)",
+                               cfg->device, s->prop.name, s->prop.major, s->prop.minor);
+    }
+    s->workspace_bytes = cfg->workspace_bytes ? cfg->workspace_bytes : ((size_t)64 << 20);
+    step = "cudaMalloc(workspace)";
+    if ((err = cudaMalloc(&s->workspace, s->workspace_bytes)) != cudaSuccess)
+        goto fail;
+    if (cublasLtCreate(&s->lt) != CUBLAS_STATUS_SUCCESS) {
+        s->lt = NULL;
+        cuda_destroy(ctx);
+        return fm_create_error(FM_ERR_BACKEND, "backend: cublasLtCreate failed on device %d", cfg->device);
+    }
+    return FM_OK;
+fail:
+    cuda_destroy(ctx);
+    cudaGetLastError();
+    return fm_create_error(err == cudaErrorMemoryAllocation ? FM_ERR_OUT_OF_MEMORY : FM_ERR_BACKEND,
+                           "backend: %s failed on device %d: %s", step, cfg->device, cudaGetErrorString(err));
+}
+
+} /* extern "C" */

@@ -1,0 +1,75 @@
+/* flowmoe internals shared by core and the backends. Not installed. */
+#ifndef FLOWMOE_INTERNAL_H
+#define FLOWMOE_INTERNAL_H
+
+#include "flowmoe/flowmoe.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The backend vtable. Ops receive descriptors core has already validated. */
+typedef struct fm_backend {
+    const char *name;
+    fm_device device;
+    fm_status (*quantize)(fm_context *ctx, const fm_quant_config *cfg, const fm_tensor *in,
+                          fm_tensor *out_row, fm_tensor *out_col);
+    fm_status (*dequantize)(fm_context *ctx, const fm_tensor *in, fm_tensor *out);
+    fm_status (*scale_layout_convert)(fm_context *ctx, const fm_tensor *src, fm_tensor *dst);
+    fm_status (*synchronize)(fm_context *ctx);
+    fm_status (*set_stream)(fm_context *ctx, void *stream);
+    void (*destroy)(fm_context *ctx);
+} fm_backend;
+
+struct fm_context {
+    fm_backend_kind kind;
+    const fm_backend *be;
+    void *be_state;        /* backend-owned (CUDA: handles, workspace) */
+    void *stream;          /* cudaStream_t of a CUDA context; NULL = legacy default stream */
+    int cpu_threads;
+    fm_stats stats;
+    char err[768];
+};
+
+/* Record a sentence for fm_last_error and return `st`. */
+fm_status fm_error(fm_context *ctx, fm_status st, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+void fm_error_clear(fm_context *ctx);
+/* Error of fm_context_create, kept per thread. */
+fm_status fm_create_error(fm_status st, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+/* Shape checks: 0 and a sentence fragment in `why` when invalid. */
+int fm_tensor_shape_ok(const fm_tensor *t, const char **why);
+
+/* Backends. */
+extern const fm_backend fm_cpu_backend;
+fm_status fm_cpu_backend_init(fm_context *ctx, const fm_context_config *cfg);
+
+/* Whether this build has the CUDA backend and a usable device; the CUDA
+ * backend's init (defined only when built with CUDA). */
+int fm_cuda_compiled(void);
+int fm_cuda_device_usable(int device);
+fm_status fm_cuda_backend_init(fm_context *ctx, const fm_context_config *cfg);
+/* Where a pointer lives, when the runtime can tell: 1 device, 0 host,
+ * -1 unknown (no CUDA in this build, or the runtime could not say). */
+int fm_cuda_pointer_is_device(const void *p);
+
+/* Resolve FM_SCALE_RULE_DEFAULT for a mode. */
+static inline fm_scale_rule fm_effective_rule(fm_scale_rule r, fm_scale_mode m)
+{
+    if (r != FM_SCALE_RULE_DEFAULT)
+        return r;
+    return (m == FM_SCALE_TENSOR || m == FM_SCALE_ROW) ? FM_SCALE_RULE_EXACT : FM_SCALE_RULE_POW2;
+}
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,141 @@
+/* Public quantize / dequantize / scale-layout ops: validate, count, dispatch. */
+#include <stdio.h>
+
+#include "validate.h"
+
+static fm_status check_output_self(fm_context *ctx, const fm_tensor *t, const char *name)
+{
+    char a[64], b[64];
+    snprintf(a, sizeof a, "%s->data", name);
+    snprintf(b, sizeof b, "%s->scale", name);
+    return fm_check_disjoint(ctx, t->data, fm_tensor_nbytes(t), a, t->scale, fm_tensor_scale_nbytes(t), b);
+}
+
+static void count(fm_context *ctx, fm_op op, int64_t rd, int64_t wr)
+{
+    ctx->stats.calls[op]++;
+    ctx->stats.op_calls++;
+    ctx->stats.bytes_read += rd;
+    ctx->stats.bytes_written += wr;
+}
+
+static int64_t tensor_bytes(const fm_tensor *t)
+{
+    if (!t)
+        return 0;
+    return fm_tensor_nbytes(t) + (t->scale_mode ? fm_tensor_scale_nbytes(t) : 0);
+}
+
+static fm_status check_quant_output(fm_context *ctx, const fm_quant_config *cfg, const fm_tensor *in,
+                                    const fm_tensor *out, const char *name, unsigned layout_flag)
+{
+    fm_status st = fm_check_tensor(ctx, out, name, FM_CHK_QUANT | layout_flag);
+    if (st)
+        return st;
+    if ((st = fm_check_same_shape(ctx, in, "in", out, name)))
+        return st;
+    fm_scale_rule r = fm_effective_rule(cfg->rule, out->scale_mode);
+    if (out->scale_mode == FM_SCALE_MX32 && r == FM_SCALE_RULE_EXACT)
+        return fm_error(ctx, FM_ERR_INVALID_ARG,
+                        "cfg->rule: EXACT scales are not powers of two and cannot be stored as E8M0 (%s is MX32); "
+                        "use POW2 or MX_FLOOR",
+                        name);
+    if (out->scale_mode != FM_SCALE_MX32 && r == FM_SCALE_RULE_MX_FLOOR)
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "cfg->rule: MX_FLOOR applies to MX32 only, %s is %s", name,
+                        fm_scale_mode_name(out->scale_mode));
+    if ((st = fm_check_no_alias(ctx, out, name, in, "in")))
+        return st;
+    return check_output_self(ctx, out, name);
+}
+
+fm_status fm_quantize(fm_context *ctx, const fm_quant_config *cfg_in, const fm_tensor *in, fm_tensor *out_row,
+                      fm_tensor *out_col)
+{
+    if (!ctx)
+        return FM_ERR_INVALID_ARG;
+    fm_error_clear(ctx);
+    fm_quant_config cfg = cfg_in ? *cfg_in : (fm_quant_config){0};
+    fm_status st;
+    if ((unsigned)cfg.rule >= FM_SCALE_RULE_COUNT)
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "cfg->rule: %d is not an fm_scale_rule", (int)cfg.rule);
+    if (!(cfg.epsilon >= 0.0f) || !fm_f32_is_finite(cfg.epsilon))
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "cfg->epsilon: must be finite and >= 0, got %g",
+                        (double)cfg.epsilon);
+    if ((st = fm_check_tensor(ctx, in, "in", FM_CHK_HIGH | FM_CHK_UNSCALED | FM_CHK_ROWWISE)))
+        return st;
+    if (!out_row && !out_col)
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "out_rowwise, out_colwise: both are NULL; give at least one");
+    if (out_row && (st = check_quant_output(ctx, &cfg, in, out_row, "out_rowwise", FM_CHK_ROWWISE)))
+        return st;
+    if (out_col && (st = check_quant_output(ctx, &cfg, in, out_col, "out_colwise", FM_CHK_COLWISE)))
+        return st;
+    if (out_row && out_col && (st = fm_check_no_alias(ctx, out_row, "out_rowwise", out_col, "out_colwise")))
+        return st;
+    if (cfg.amax && ((uintptr_t)cfg.amax % sizeof(float)))
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "cfg->amax: %p is not 4-byte aligned", (void *)cfg.amax);
+    if (cfg.nonfinite_blocks && ((uintptr_t)cfg.nonfinite_blocks % sizeof(int64_t)))
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "cfg->nonfinite_blocks: %p is not 8-byte aligned",
+                        (void *)cfg.nonfinite_blocks);
+    if (!ctx->be->quantize)
+        return fm_error(ctx, FM_ERR_UNSUPPORTED, "fm_quantize: the %s backend does not implement it", ctx->be->name);
+    if ((st = ctx->be->quantize(ctx, &cfg, in, out_row, out_col)))
+        return st;
+    ctx->stats.casts_to_low++;
+    count(ctx, FM_OP_QUANTIZE, tensor_bytes(in), tensor_bytes(out_row) + tensor_bytes(out_col));
+    return FM_OK;
+}
+
+fm_status fm_dequantize(fm_context *ctx, const fm_tensor *in, fm_tensor *out)
+{
+    if (!ctx)
+        return FM_ERR_INVALID_ARG;
+    fm_error_clear(ctx);
+    fm_status st;
+    if ((st = fm_check_tensor(ctx, in, "in", FM_CHK_QUANT)))
+        return st;
+    if ((st = fm_check_tensor(ctx, out, "out", FM_CHK_HIGH | FM_CHK_UNSCALED)))
+        return st;
+    if ((st = fm_check_same_shape(ctx, in, "in", out, "out")))
+        return st;
+    if ((st = fm_check_no_alias(ctx, out, "out", in, "in")))
+        return st;
+    if (!ctx->be->dequantize)
+        return fm_error(ctx, FM_ERR_UNSUPPORTED, "fm_dequantize: the %s backend does not implement it",
+                        ctx->be->name);
+    if ((st = ctx->be->dequantize(ctx, in, out)))
+        return st;
+    ctx->stats.casts_to_high++;
+    count(ctx, FM_OP_DEQUANTIZE, tensor_bytes(in), tensor_bytes(out));
+    return FM_OK;
+}
+
+fm_status fm_scale_layout_convert(fm_context *ctx, const fm_tensor *src, fm_tensor *dst)
+{
+    if (!ctx)
+        return FM_ERR_INVALID_ARG;
+    fm_error_clear(ctx);
+    fm_status st;
+    if ((st = fm_check_tensor(ctx, src, "src", FM_CHK_QUANT | FM_CHK_SCALES_ONLY)))
+        return st;
+    if ((st = fm_check_tensor(ctx, dst, "dst", FM_CHK_QUANT | FM_CHK_SCALES_ONLY)))
+        return st;
+    if ((st = fm_check_same_shape(ctx, src, "src", dst, "dst")))
+        return st;
+    if (src->dtype != dst->dtype || src->layout != dst->layout || src->scale_mode != dst->scale_mode)
+        return fm_error(ctx, FM_ERR_INVALID_ARG,
+                        "dst: must describe the same tensor as src (dtype %s/%s, layout %s/%s, scale_mode %s/%s); "
+                        "only scale_layout may differ",
+                        fm_dtype_name(src->dtype), fm_dtype_name(dst->dtype), fm_layout_name(src->layout),
+                        fm_layout_name(dst->layout), fm_scale_mode_name(src->scale_mode),
+                        fm_scale_mode_name(dst->scale_mode));
+    if ((st = fm_check_disjoint(ctx, dst->scale, fm_tensor_scale_nbytes(dst), "dst->scale", src->scale,
+                                fm_tensor_scale_nbytes(src), "src->scale")))
+        return st;
+    if (!ctx->be->scale_layout_convert)
+        return fm_error(ctx, FM_ERR_UNSUPPORTED, "fm_scale_layout_convert: the %s backend does not implement it",
+                        ctx->be->name);
+    if ((st = ctx->be->scale_layout_convert(ctx, src, dst)))
+        return st;
+    count(ctx, FM_OP_SCALE_LAYOUT_CONVERT, fm_tensor_scale_nbytes(src), fm_tensor_scale_nbytes(dst));
+    return FM_OK;
+}

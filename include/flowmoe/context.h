@@ -1,0 +1,74 @@
+/* flowmoe — context, backend choice, errors, statistics. */
+#ifndef FLOWMOE_CONTEXT_H
+#define FLOWMOE_CONTEXT_H
+
+#include "flowmoe/types.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct fm_context fm_context;
+
+typedef enum fm_backend_kind {
+    FM_BACKEND_AUTO = 0, /* CUDA when a device is usable, else CPU */
+    FM_BACKEND_CPU,
+    FM_BACKEND_CUDA,
+    FM_BACKEND_COUNT
+} fm_backend_kind;
+
+typedef struct fm_context_config {
+    fm_backend_kind backend;
+    int device;                 /* CUDA device ordinal (CUDA backend) */
+    size_t workspace_bytes;     /* CUDA workspace; 0 = library default */
+    int cpu_threads;            /* CPU backend worker threads; 0 = all cores */
+} fm_context_config;
+
+/* `cfg` may be NULL (AUTO). On failure *out is NULL and the status says why;
+ * fm_last_error(NULL) then holds the sentence. */
+fm_status fm_context_create(const fm_context_config *cfg, fm_context **out);
+void fm_context_destroy(fm_context *ctx);
+
+fm_backend_kind fm_context_backend(const fm_context *ctx);
+const char *fm_context_backend_name(const fm_context *ctx);
+/* The device tensors given to this context must live on (HOST or CUDA). */
+fm_device fm_context_device(const fm_context *ctx);
+
+/* The last error of this context as a sentence naming the argument and the
+ * rule it broke; "" after success. With ctx == NULL: the last error of
+ * fm_context_create on this thread. The pointer stays valid until the next
+ * call on this context. */
+const char *fm_last_error(const fm_context *ctx);
+
+/* CUDA backend: the stream every op is queued on (a cudaStream_t; NULL = the
+ * legacy default stream). FM_ERR_UNSUPPORTED on the CPU backend. */
+fm_status fm_context_set_stream(fm_context *ctx, void *stream);
+void *fm_context_stream(const fm_context *ctx);
+/* Waits for every op queued on the context's stream (no-op on CPU). */
+fm_status fm_context_synchronize(fm_context *ctx);
+
+/* Op counters, one per public op. */
+typedef enum fm_op {
+    FM_OP_QUANTIZE = 0,
+    FM_OP_DEQUANTIZE,
+    FM_OP_SCALE_LAYOUT_CONVERT,
+    FM_OP_COUNT_ = 16          /* room for later ops; the array below has this size */
+} fm_op;
+
+typedef struct fm_stats {
+    int64_t casts_to_low;      /* explicit casts high precision -> low precision (quantize) */
+    int64_t casts_to_high;     /* explicit casts low -> high (dequantize) */
+    int64_t bytes_read;        /* bytes the ops read from tensors (data + scales) */
+    int64_t bytes_written;     /* bytes the ops wrote */
+    int64_t op_calls;          /* successful op calls, all ops */
+    int64_t calls[FM_OP_COUNT_];
+} fm_stats;
+
+fm_status fm_stats_get(const fm_context *ctx, fm_stats *out);
+fm_status fm_stats_reset(fm_context *ctx);
+const char *fm_op_name(fm_op op);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

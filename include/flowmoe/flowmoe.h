@@ -1,0 +1,15 @@
+/* flowmoe — low-precision MoE training primitives. One include for all. */
+#ifndef FLOWMOE_H
+#define FLOWMOE_H
+
+#include "flowmoe/types.h"
+#include "flowmoe/tensor.h"
+#include "flowmoe/context.h"
+#include "flowmoe/format.h"
+#include "flowmoe/quant.h"
+
+#define FLOWMOE_VERSION_MAJOR 0
+#define FLOWMOE_VERSION_MINOR 1
+#define FLOWMOE_VERSION_PATCH 0
+
+#endif

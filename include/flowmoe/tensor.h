@@ -1,0 +1,65 @@
+/* flowmoe — the tensor descriptor. Descriptors own no memory. */
+#ifndef FLOWMOE_TENSOR_H
+#define FLOWMOE_TENSOR_H
+
+#include "flowmoe/types.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* A dense 2-D matrix [rows, cols] or a stack of experts [E, rows, cols].
+ * `shape` is always the LOGICAL shape; `layout` says whether each matrix is
+ * stored as is (row-wise) or transposed (column-wise).
+ *
+ * For E2M1 each stored row must hold an even number of elements: two codes
+ * share a byte, element 2j in the low nibble. */
+typedef struct fm_tensor {
+    void *data;
+    fm_dtype dtype;
+    fm_device device;       /* where data and scale live */
+    int ndim;               /* 2 or 3 */
+    int64_t shape[3];       /* [rows, cols] or [E, rows, cols] */
+    fm_layout layout;
+
+    fm_scale_mode scale_mode;
+    void *scale;            /* scale_inv: dequantized value = code * scale_inv */
+    fm_dtype scale_dtype;   /* F32, or E8M0 for MX32 */
+    fm_scale_layout scale_layout;
+} fm_tensor;
+
+/* Convenience constructors: fill a descriptor, nothing else. */
+fm_tensor fm_tensor_2d(void *data, fm_dtype dtype, int64_t rows, int64_t cols);
+fm_tensor fm_tensor_3d(void *data, fm_dtype dtype, int64_t experts, int64_t rows, int64_t cols);
+/* A quantized 2-D tensor with its scale array; scale dtype follows the mode. */
+fm_tensor fm_tensor_quant_2d(void *data, fm_dtype dtype, int64_t rows, int64_t cols,
+                             fm_layout layout, fm_scale_mode mode, void *scale,
+                             fm_scale_layout scale_layout);
+
+/* Sizes. Each returns -1 when the descriptor's shape is not valid (negative,
+ * overflowing, wrong ndim); they never touch the data. */
+int64_t fm_tensor_numel(const fm_tensor *t);
+int64_t fm_tensor_nbytes(const fm_tensor *t);       /* data bytes, E2M1 packed */
+int64_t fm_tensor_scale_count(const fm_tensor *t);  /* scale entries incl. GEMM-layout padding */
+int64_t fm_tensor_scale_nbytes(const fm_tensor *t);
+int64_t fm_tensor_experts(const fm_tensor *t);      /* 1 for 2-D */
+int64_t fm_tensor_stored_rows(const fm_tensor *t);  /* per matrix, after the layout */
+int64_t fm_tensor_stored_cols(const fm_tensor *t);
+
+/* Element size in bits (4 for E2M1), 0 for an unknown dtype. */
+int fm_dtype_bits(fm_dtype dtype);
+const char *fm_dtype_name(fm_dtype dtype);
+const char *fm_scale_mode_name(fm_scale_mode mode);
+const char *fm_scale_layout_name(fm_scale_layout layout);
+const char *fm_layout_name(fm_layout layout);
+const char *fm_status_name(fm_status status);
+/* The scale dtype a mode requires (F32, or E8M0 for MX32). */
+fm_dtype fm_scale_mode_dtype(fm_scale_mode mode);
+/* Block extent along the stored rows and columns (1x128 -> 1, 128). */
+int fm_scale_mode_block_rows(fm_scale_mode mode);
+int fm_scale_mode_block_cols(fm_scale_mode mode);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
