@@ -18,6 +18,7 @@ typedef struct {
     int64_t nbr, nbc;     /* block grid */
     uint32_t *amax;       /* [nbr * nbc] bits of the block amax */
     float *mult;          /* [nbr * nbc] code = encode(x * mult); NaN marks a non-finite block */
+    uint32_t *colmax;     /* [cols] running column amax bits (column-wise plans) */
     size_t code_bytes;    /* data bytes per expert */
 } plan;
 
@@ -28,7 +29,7 @@ typedef struct {
     int np;
     int64_t e;            /* expert being encoded */
     int64_t panels;       /* 128-row panels per expert */
-    float *rowbuf;        /* [FM_CPU_MAX_WORKERS][cols] */
+    float *tiles;         /* [workers][128 * TW] */
 } enc_job;
 
 static void plan_init(plan *p, fm_tensor *out, int colwise, fm_scale_rule rule, int64_t rows, int64_t cols)
@@ -57,8 +58,10 @@ static void plan_init(plan *p, fm_tensor *out, int colwise, fm_scale_rule rule, 
 
 static inline uint32_t abs_bits(float x) { return fm_f32_bits(x) & 0x7FFFFFFFu; }
 
-/* (A) for one logical row i of the current expert. */
-static void amax_row(plan *p, const float *x, int64_t i, int64_t cols)
+/* (A) for one logical row i of the current expert. Column-wise blocks run
+ * down the columns: collect a running max per column (contiguous) and fold it
+ * into the block grid when the block's last row has been seen. */
+static void amax_row(plan *p, const float *x, int64_t i, int64_t rows, int64_t cols)
 {
     if (!p->colwise) {
         uint32_t *a = p->amax + (i / p->br) * p->nbc;
@@ -71,13 +74,20 @@ static void amax_row(plan *p, const float *x, int64_t i, int64_t cols)
             }
             a[cb] = m;
         }
-    } else {
-        int64_t cblk = i / p->bc;
-        for (int64_t j = 0; j < cols; j++) {
-            uint32_t *a = p->amax + (j / p->br) * p->nbc + cblk;
-            uint32_t v = abs_bits(x[j]);
-            *a = v > *a ? v : *a;
-        }
+        return;
+    }
+    uint32_t *cm = p->colmax;
+    for (int64_t j = 0; j < cols; j++) {
+        uint32_t v = abs_bits(x[j]);
+        cm[j] = v > cm[j] ? v : cm[j];
+    }
+    if ((i + 1) % p->bc != 0 && i + 1 != rows)
+        return;
+    int64_t cblk = i / p->bc;
+    for (int64_t j = 0; j < cols; j++) {
+        uint32_t *a = p->amax + (j / p->br) * p->nbc + cblk;
+        *a = cm[j] > *a ? cm[j] : *a;
+        cm[j] = 0;
     }
 }
 
@@ -130,67 +140,100 @@ static int64_t choose_scales(plan *p, const fm_quant_config *cfg, int64_t e)
     return bad;
 }
 
-/* (C) for one logical row i. */
-static void encode_row(const plan *p, const float *x, int64_t e, int64_t i, int64_t cols)
+/* (C) row-wise codes of logical row i, columns [j0, j1) (block aligned). */
+static void encode_row(const plan *p, const float *x, int64_t e, int64_t i, int64_t cols, int64_t j0, int64_t j1)
 {
     fm_dtype t = p->out->dtype;
     uint8_t nan = fm_elem_nan(t);
     uint8_t *base = (uint8_t *)p->out->data + (size_t)e * p->code_bytes;
-    if (!p->colwise) {
-        const float *m = p->mult + (i / p->br) * p->nbc;
+    const float *m = p->mult + (i / p->br) * p->nbc;
+    if (t == FM_DTYPE_E2M1) {
+        uint8_t *row = base + (size_t)(i * cols / 2);
+        for (int64_t j = j0; j + 1 < j1; j += 2) {
+            float mj = m[j / p->bc];
+            uint8_t lo = nan, hi = nan;
+            if (!fm_f32_is_nan(mj)) {
+                lo = fm_e2m1_from_f32(x[j - j0] * mj);
+                hi = fm_e2m1_from_f32(x[j + 1 - j0] * mj);
+            }
+            row[j / 2] = (uint8_t)(lo | (hi << 4));
+        }
+        return;
+    }
+    uint8_t *row = base + (size_t)(i * cols);
+    for (int64_t b0 = j0; b0 < j1;) {
+        int64_t b1 = (b0 / p->bc + 1) * p->bc;
+        if (b1 > j1)
+            b1 = j1;
+        float mj = m[b0 / p->bc];
+        if (fm_f32_is_nan(mj))
+            memset(row + b0, nan, (size_t)(b1 - b0));
+        else if (t == FM_DTYPE_E4M3)
+            for (int64_t j = b0; j < b1; j++)
+                row[j] = fm_e4m3_from_f32(x[j - j0] * mj);
+        else
+            for (int64_t j = b0; j < b1; j++)
+                row[j] = fm_e5m2_from_f32(x[j - j0] * mj);
+        b0 = b1;
+    }
+}
+
+/* (C) column-wise codes of a tile: logical rows [i0, i1), columns [j0, j1),
+ * tile[(i - i0) * TW + (j - j0)]. Writes run along i, the stored row. */
+#define TW 256
+static void encode_tile_colwise(const plan *p, const float *tile, int64_t e, int64_t i0, int64_t i1, int64_t j0,
+                                int64_t j1)
+{
+    fm_dtype t = p->out->dtype;
+    uint8_t nan = fm_elem_nan(t);
+    int64_t rows = p->C;
+    uint8_t *base = (uint8_t *)p->out->data + (size_t)e * p->code_bytes;
+    for (int64_t j = j0; j < j1; j++) {
+        const float *m = p->mult + (j / p->br) * p->nbc;
+        const float *x = tile + (j - j0);
         if (t == FM_DTYPE_E2M1) {
-            uint8_t *row = base + (size_t)(i * cols / 2);
-            for (int64_t j = 0; j + 1 < cols; j += 2) {
-                float mj = m[j / p->bc];
-                uint8_t lo, hi;
-                if (fm_f32_is_nan(mj)) {
-                    lo = hi = nan;
-                } else {
-                    lo = fm_e2m1_from_f32(x[j] * mj);
-                    hi = fm_e2m1_from_f32(x[j + 1] * mj);
+            uint8_t *row = base + (size_t)(j * rows / 2);
+            for (int64_t i = i0; i + 1 < i1; i += 2) {
+                float mi = m[i / p->bc];
+                uint8_t lo = nan, hi = nan;
+                if (!fm_f32_is_nan(mi)) {
+                    lo = fm_e2m1_from_f32(x[(i - i0) * TW] * mi);
+                    hi = fm_e2m1_from_f32(x[(i + 1 - i0) * TW] * mi);
                 }
-                row[j / 2] = (uint8_t)(lo | (hi << 4));
+                row[i / 2] = (uint8_t)(lo | (hi << 4));
             }
-            return;
+            continue;
         }
-        uint8_t *row = base + (size_t)(i * cols);
-        for (int64_t cb = 0; cb < p->nbc; cb++) {
-            int64_t j0 = cb * p->bc, j1 = j0 + p->bc < cols ? j0 + p->bc : cols;
-            float mj = m[cb];
-            if (fm_f32_is_nan(mj)) {
-                memset(row + j0, nan, (size_t)(j1 - j0));
-            } else if (t == FM_DTYPE_E4M3) {
-                for (int64_t j = j0; j < j1; j++)
-                    row[j] = fm_e4m3_from_f32(x[j] * mj);
-            } else {
-                for (int64_t j = j0; j < j1; j++)
-                    row[j] = fm_e5m2_from_f32(x[j] * mj);
-            }
-        }
-    } else {
-        int64_t rows = p->C, cblk = i / p->bc;
-        for (int64_t j = 0; j < cols; j++) {
-            float mj = p->mult[(j / p->br) * p->nbc + cblk];
-            uint8_t c = fm_f32_is_nan(mj) ? nan : fm_elem_encode(t, x[j] * mj);
-            if (t == FM_DTYPE_E2M1)
-                fm_cpu_put_nibble(base + (size_t)(j * rows / 2), i, c);
-            else
-                base[(size_t)(j * rows + i)] = c;
+        uint8_t *row = base + (size_t)(j * rows);
+        for (int64_t i = i0; i < i1; i++) {
+            float mi = m[i / p->bc];
+            row[i] = fm_f32_is_nan(mi) ? nan : fm_elem_encode(t, x[(i - i0) * TW] * mi);
         }
     }
 }
 
+/* Items are 128-row panels; each is encoded in tiles of 128 x TW so that the
+ * column-wise writes stay in cache. Panels are even-aligned, so E2M1 bytes
+ * shared by two logical rows never straddle workers. */
 static void encode_panels(void *arg, int64_t begin, int64_t end, int worker)
 {
     enc_job *jb = arg;
-    float *x = jb->rowbuf + (size_t)worker * (size_t)jb->cols;
+    float *tile = jb->tiles + (size_t)worker * 128 * TW;
     const fm_tensor *in = jb->in;
     for (int64_t pn = begin; pn < end; pn++) {
         int64_t i0 = pn * 128, i1 = i0 + 128 < jb->rows ? i0 + 128 : jb->rows;
-        for (int64_t i = i0; i < i1; i++) {
-            fm_cpu_load_row(in->data, in->dtype, (jb->e * jb->rows + i) * jb->cols, jb->cols, x);
+        for (int64_t j0 = 0; j0 < jb->cols; j0 += TW) {
+            int64_t j1 = j0 + TW < jb->cols ? j0 + TW : jb->cols;
+            for (int64_t i = i0; i < i1; i++) {
+                float *x = tile + (i - i0) * TW;
+                fm_cpu_load_row(in->data, in->dtype, (jb->e * jb->rows + i) * jb->cols + j0, j1 - j0, x);
+                for (int k = 0; k < jb->np; k++)
+                    if (!jb->p[k].colwise)
+                        encode_row(&jb->p[k], x, jb->e, i, jb->cols, j0, j1);
+            }
             for (int k = 0; k < jb->np; k++)
-                encode_row(&jb->p[k], x, jb->e, i, jb->cols);
+                if (jb->p[k].colwise)
+                    encode_tile_colwise(&jb->p[k], tile, jb->e, i0, i1, j0, j1);
         }
     }
 }
@@ -209,16 +252,17 @@ fm_status fm_cpu_quantize(fm_context *ctx, const fm_quant_config *cfg, const fm_
     int64_t panels = fm_cdiv(rows, 128);
     int64_t workers = ctx->cpu_threads < FM_CPU_MAX_WORKERS ? ctx->cpu_threads : FM_CPU_MAX_WORKERS;
     fm_status st = FM_OK;
-    /* Row 0 for step (A), then one row per encoding worker. */
-    float *rowbuf = malloc((size_t)(cols ? cols : 1) * sizeof(float) * (size_t)(workers + 1));
+    float *rowbuf = malloc((size_t)(cols ? cols : 1) * sizeof(float));
+    float *tiles = malloc((size_t)workers * 128 * 256 * sizeof(float));
     for (int k = 0; k < np; k++) {
         size_t nb = (size_t)(p[k].nbr * p[k].nbc);
         p[k].amax = malloc((nb ? nb : 1) * sizeof(uint32_t));
         p[k].mult = malloc((nb ? nb : 1) * sizeof(float));
-        if (!p[k].amax || !p[k].mult)
+        p[k].colmax = calloc((size_t)(cols ? cols : 1), sizeof(uint32_t));
+        if (!p[k].amax || !p[k].mult || !p[k].colmax)
             st = FM_ERR_OUT_OF_MEMORY;
     }
-    if (!rowbuf)
+    if (!rowbuf || !tiles)
         st = FM_ERR_OUT_OF_MEMORY;
     if (st) {
         fm_error(ctx, st, "fm_quantize: out of host memory for the block scratch of a [%lld, %lld] input",
@@ -234,7 +278,7 @@ fm_status fm_cpu_quantize(fm_context *ctx, const fm_quant_config *cfg, const fm_
         for (int64_t i = 0; i < rows; i++) {
             fm_cpu_load_row(in->data, in->dtype, (e * rows + i) * cols, cols, rowbuf);
             for (int k = 0; k < np; k++)
-                amax_row(&p[k], rowbuf, i, cols);
+                amax_row(&p[k], rowbuf, i, rows, cols);
             if (cfg->amax)
                 for (int64_t j = 0; j < cols; j++) {
                     uint32_t v = abs_bits(rowbuf[j]);
@@ -243,7 +287,7 @@ fm_status fm_cpu_quantize(fm_context *ctx, const fm_quant_config *cfg, const fm_
         }
         for (int k = 0; k < np; k++)
             bad += choose_scales(&p[k], cfg, e);
-        enc_job jb = {in, rows, cols, p, np, e, panels, rowbuf + cols};
+        enc_job jb = {in, rows, cols, p, np, e, panels, tiles};
         fm_cpu_parallel_for(ctx, panels, 1, encode_panels, &jb);
     }
     if (cfg->amax)
@@ -252,9 +296,11 @@ fm_status fm_cpu_quantize(fm_context *ctx, const fm_quant_config *cfg, const fm_
         *cfg->nonfinite_blocks = bad;
 done:
     free(rowbuf);
+    free(tiles);
     for (int k = 0; k < np; k++) {
         free(p[k].amax);
         free(p[k].mult);
+        free(p[k].colmax);
     }
     return st;
 }

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The test command: builds flowmoe (CUDA compiled when nvcc is present, so a
+# .cu compile error fails here too), runs the whole suite (GPU tests skip
+# without a GPU), then the CPU suites again under AddressSanitizer +
+# UndefinedBehaviorSanitizer. Installs meson and ninja when they are missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+jobs=${FM_JOBS:-$(nproc 2>/dev/null || echo 2)}
+
+ensure_build_tools() {
+    local need=()
+    command -v meson >/dev/null 2>&1 || need+=(meson)
+    command -v ninja >/dev/null 2>&1 || need+=(ninja)
+    [ ${#need[@]} -eq 0 ] && return 0
+    echo "test.sh: installing ${need[*]} into $root/.tools (pip)"
+    python3 -m pip install --quiet --disable-pip-version-check --target "$root/.tools/py" "${need[@]}"
+    mkdir -p "$root/.tools/bin"
+    export PYTHONPATH="$root/.tools/py${PYTHONPATH:+:$PYTHONPATH}"
+    for t in "${need[@]}"; do
+        if [ -x "$root/.tools/py/bin/$t" ]; then
+            ln -sf "$root/.tools/py/bin/$t" "$root/.tools/bin/$t"
+        fi
+    done
+    export PATH="$root/.tools/bin:$PATH"
+    command -v meson >/dev/null && command -v ninja >/dev/null || {
+        echo "test.sh: could not install meson/ninja" >&2; exit 1; }
+}
+
+configure() { # dir, options...
+    local dir=$1; shift
+    if [ -f "$dir/build.ninja" ]; then
+        meson setup --reconfigure "$dir" "$@" >/dev/null
+    else
+        meson setup "$dir" "$@"
+    fi
+}
+
+ensure_build_tools
+rc=0
+
+echo "== build (CUDA auto) and full suite"
+configure build-test
+ninja -C build-test -j "$jobs"
+meson test -C build-test --num-processes "$jobs" --print-errorlogs || rc=1
+
+echo "== CPU suites under ASan + UBSan"
+configure build-asan -Dcuda=disabled -Db_sanitize=address,undefined -Db_lundef=false -Dbuildtype=debugoptimized
+ninja -C build-asan -j "$jobs"
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+    meson test -C build-asan --suite cpu --num-processes "$jobs" --timeout-multiplier 4 --print-errorlogs || rc=1
+
+python3 - build-test/meson-logs/testlog.json build-asan/meson-logs/testlog.json <<'PY'
+import json, sys
+p = f = s = 0
+for path in sys.argv[1:]:
+    try:
+        lines = open(path).read().splitlines()
+    except OSError:
+        continue
+    for line in lines:
+        r = json.loads(line).get("result", "")
+        if r in ("OK", "EXPECTEDFAIL"): p += 1
+        elif r == "SKIP": s += 1
+        else: f += 1
+print(f"{p} passed, {f} failed, {s} skipped")
+PY
+exit $rc
