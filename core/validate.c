@@ -85,8 +85,19 @@ fm_status fm_check_tensor(fm_context *ctx, const fm_tensor *t, const char *name,
         return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: data %p is not aligned to its %d-byte %s elements", name,
                         t->data, ebytes, fm_dtype_name(t->dtype));
 
+    int64_t need = fm_tensor_nbytes(t);
+    if (want_data && t->data_capacity > 0 && need > t->data_capacity)
+        return fm_error(ctx, FM_ERR_INVALID_ARG,
+                        "%s: data_capacity is %lld bytes but the shape needs %lld", name,
+                        (long long)t->data_capacity, (long long)need);
     if (t->scale_mode != FM_SCALE_NONE) {
         int64_t ns = fm_tensor_scale_count(t);
+        int64_t sneed = fm_tensor_scale_nbytes(t);
+        if (t->scale_capacity > 0 && sneed > t->scale_capacity)
+            return fm_error(ctx, FM_ERR_INVALID_ARG,
+                            "%s: scale_capacity is %lld bytes but scale_mode %s in the %s layout needs %lld", name,
+                            (long long)t->scale_capacity, fm_scale_mode_name(t->scale_mode),
+                            fm_scale_layout_name(t->scale_layout), (long long)sneed);
         if (ns > 0 && !t->scale)
             return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: scale is NULL but scale_mode %s needs %lld entries", name,
                             fm_scale_mode_name(t->scale_mode), (long long)ns);

@@ -26,6 +26,11 @@ typedef struct fm_tensor {
     void *scale;            /* scale_inv: dequantized value = code * scale_inv */
     fm_dtype scale_dtype;   /* F32, or E8M0 for MX32 */
     fm_scale_layout scale_layout;
+
+    /* Optional buffer sizes in bytes (0 = not given). When given, ops check
+     * that the shape and scale mode fit in them before touching memory. */
+    int64_t data_capacity;
+    int64_t scale_capacity;
 } fm_tensor;
 
 /* Convenience constructors: fill a descriptor, nothing else. */
