@@ -155,6 +155,8 @@ const char *fm_op_name(fm_op op)
     case FM_OP_QUANTIZE: return "quantize";
     case FM_OP_DEQUANTIZE: return "dequantize";
     case FM_OP_SCALE_LAYOUT_CONVERT: return "scale_layout_convert";
+    case FM_OP_TRANSPOSE_SCALED: return "transpose_scaled";
+    case FM_OP_CONVERT_SCALED: return "convert_scaled";
     default: return "unknown";
     }
 }

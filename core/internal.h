@@ -19,6 +19,8 @@ typedef struct fm_backend {
     fm_status (*synchronize)(fm_context *ctx);
     fm_status (*set_stream)(fm_context *ctx, void *stream);
     void (*destroy)(fm_context *ctx);
+    /* fm_transpose_scaled and fm_convert_scaled: one re-encoding op. */
+    fm_status (*requantize)(fm_context *ctx, const fm_requant_config *cfg, const fm_tensor *in, fm_tensor *out);
 } fm_backend;
 
 struct fm_context {

@@ -20,6 +20,7 @@ const fm_backend fm_cpu_backend = {
     /* .synchronize          = */ cpu_synchronize,
     /* .set_stream           = */ NULL,
     /* .destroy              = */ NULL,
+    /* .requantize           = */ fm_cpu_requantize,
 };
 
 fm_status fm_cpu_backend_init(fm_context *ctx, const fm_context_config *cfg)

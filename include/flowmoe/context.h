@@ -52,6 +52,8 @@ typedef enum fm_op {
     FM_OP_QUANTIZE = 0,
     FM_OP_DEQUANTIZE,
     FM_OP_SCALE_LAYOUT_CONVERT,
+    FM_OP_TRANSPOSE_SCALED,
+    FM_OP_CONVERT_SCALED,
     FM_OP_COUNT_ = 16          /* room for later ops; the array below has this size */
 } fm_op;
 

@@ -7,6 +7,7 @@
 #include "flowmoe/context.h"
 #include "flowmoe/format.h"
 #include "flowmoe/quant.h"
+#include "flowmoe/transpose.h"
 
 #define FLOWMOE_VERSION_MAJOR 0
 #define FLOWMOE_VERSION_MINOR 1

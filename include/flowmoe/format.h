@@ -294,6 +294,73 @@ FM_HD float fm_exact_scale(float a, fm_dtype elem)
     return fm_f32_is_finite(s) ? s : fm_bits_f32(0x7F7FFFFFu);
 }
 
+/* ---- re-encoding on exponents (scaling-aware transpose, FP8 <-> MXFP4) -- */
+
+/* The exponent of a power-of-two F32 scale: 1 and *p for a positive finite
+ * power of two (subnormals too), 2 for NaN (a non-finite block), 0 for
+ * anything else (not a power of two, zero, negative, Inf). */
+FM_HD int fm_f32_pow2_exp(float s, int *p)
+{
+    uint32_t u = fm_f32_bits(s);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u)
+        return 2;
+    if (u & 0x80000000u)
+        return 0;
+    uint32_t f = u >> 23, m = u & 0x7FFFFFu;
+    if (f == 0xFFu || u == 0)
+        return 0;
+    if (f) {
+        if (m)
+            return 0;
+        *p = (int)f - 127;
+        return 1;
+    }
+    if (m & (m - 1u))
+        return 0;
+    int b = 0;
+    while ((m >> b) != 1u)
+        b++;
+    *p = b - 149;
+    return 1;
+}
+
+/* Whether an element code is non-finite (E4M3 NaN, E5M2 Inf/NaN). */
+FM_HD int fm_elem_code_nonfinite(fm_dtype t, uint8_t c)
+{
+    return t == FM_DTYPE_E4M3 ? (c & 0x7Fu) == 0x7Fu : t == FM_DTYPE_E5M2 ? (c & 0x7Cu) == 0x7Cu : 0;
+}
+
+/* Magnitude bits of a code (sign dropped; E2M1 in the low nibble). */
+FM_HD uint8_t fm_elem_code_mag(fm_dtype t, uint8_t c)
+{
+    return t == FM_DTYPE_E2M1 ? (uint8_t)(c & 0x7u) : (uint8_t)(c & 0x7Fu);
+}
+
+/* The power-of-two rule's exponent for one finite nonzero element code taken
+ * alone, for an output element dtype `out` (no clamping is reached: single
+ * codes lie in [2^-16, 57344]). With `floor_rule`, the OCP floor rule. The
+ * block exponent is then max(code_exp + p_in) over the block, clamped to
+ * [-127, 127]: the rules are monotone and commute with exact power-of-two
+ * shifts, so this equals the rule applied to the block's true amax. */
+FM_HD int fm_code_scale_exp(fm_dtype in, uint8_t code, fm_dtype out, int floor_rule)
+{
+    float a = fm_f32_abs(fm_elem_decode(in, code));
+    return floor_rule ? fm_mx_floor_scale_exp(a, out) : fm_pow2_scale_exp(a, out);
+}
+
+/* The output code for input `code` shifted by 2^d (d = p_in - p_out):
+ * RNE + satfinite of an exactly representable F32 product. Shifts below
+ * -149 leave nothing of an FP8/FP4 value: the F32 product then still rounds
+ * to the same (zero) code. */
+FM_HD uint8_t fm_requant_code(fm_dtype in, uint8_t code, int d, fm_dtype out)
+{
+    if (d < -149)
+        d = -149;
+    if (d > 127)
+        d = 127;
+    return fm_elem_encode(out, fm_elem_decode(in, code) * fm_exp2i(d));
+}
+
 /* ---- scale array geometry -----------------------------------------------
  * R x C is one STORED matrix (after the layout); r, c a stored element. */
 

@@ -1,0 +1,57 @@
+/* flowmoe — scaling-aware transposes and direct FP8 <-> MXFP4 conversions.
+ *
+ * Both ops re-encode block-scaled codes into another block structure using
+ * only the codes and the power-of-two scale exponents: no trip through a
+ * higher precision, no second rounding. With the TIGHT rule the result is, bit
+ * for bit, what fm_quantize (POW2 rule) gives when fed the dequantized input:
+ * each output block's exponent is the power-of-two rule applied to the true
+ * amax of the block, computed as max(P(|code|) + p_in) over its elements, and
+ * each output code is the correctly rounded (RNE, subnormals included,
+ * satfinite) encoding of code * 2^(p_in - p_out), an exact exponent shift. */
+#ifndef FLOWMOE_TRANSPOSE_H
+#define FLOWMOE_TRANSPOSE_H
+
+#include "flowmoe/context.h"
+#include "flowmoe/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum fm_requant_rule {
+    FM_REQUANT_TIGHT = 0, /* power-of-two rule on each output block's true amax (default) */
+    FM_REQUANT_ROWMAX,    /* max of the input block exponents the output block covers (the FP8-Flow
+                             paper's rule); transposes with the same dtype and mode only */
+    FM_REQUANT_MX_FLOOR,  /* OCP v1.0 floor rule on the true amax; MX32 outputs only (may saturate) */
+    FM_REQUANT_RULE_COUNT
+} fm_requant_rule;
+
+typedef struct fm_requant_config {
+    fm_requant_rule rule;
+    /* Optional, in the tensors' memory: output blocks that are non-finite
+     * (an input NaN/Inf code or NaN scale reached them). */
+    int64_t *nonfinite_blocks;
+} fm_requant_config;
+
+/* Scaling-aware transpose: `in` row-wise (or column-wise) quantized with
+ * power-of-two scales (BLOCK_1x128 with F32 powers of two, or MX32), `out` the
+ * other layout of the same logical tensor, element dtype E4M3, E5M2 or E2M1
+ * (E2M1 with MX32), mode BLOCK_1x128 or MX32. FP8 1x128 -> 128x1, MXFP8 1x32 ->
+ * 32x1, MXFP4 row-wise -> column-wise, and FP8 row-wise -> MXFP4 column-wise
+ * in one pass. A block holding NaN stays NaN (NaN scale, NaN codes).
+ * BLOCK_128x128 -> BLOCK_128x128 of the same dtype is the exact transpose of
+ * codes and scale grid (any F32 scales).
+ * An input F32 scale that is not a power of two (or is 0, negative or Inf) is
+ * rejected with FM_ERR_INVALID_ARG. */
+fm_status fm_transpose_scaled(fm_context *ctx, const fm_requant_config *cfg, const fm_tensor *in, fm_tensor *out);
+
+/* Direct conversion in the same layout: FP8 (BLOCK_1x128 or MX32, power-of-two
+ * scales) -> MXFP4, MXFP4 -> FP8 (BLOCK_1x128 or MX32), or between the FP8
+ * formats. MXFP4 -> FP8 is exact wherever the FP8 block range holds the
+ * values, correctly rounded where it does not. */
+fm_status fm_convert_scaled(fm_context *ctx, const fm_requant_config *cfg, const fm_tensor *in, fm_tensor *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
