@@ -48,6 +48,29 @@ static fm_status check_quant_output(fm_context *ctx, const fm_quant_config *cfg,
     return check_output_self(ctx, out, name);
 }
 
+/* cfg->amax and cfg->nonfinite_blocks are written too: like the outputs, they
+ * may not alias the input or an output's data or scale. */
+static fm_status check_cfg_output(fm_context *ctx, const void *p, int64_t n, const char *pname, const fm_tensor *in,
+                                  const fm_tensor *out_row, const fm_tensor *out_col)
+{
+    const fm_tensor *t[3] = {in, out_row, out_col};
+    static const char *tn[3] = {"in", "out_rowwise", "out_colwise"};
+    char b[64];
+    fm_status st;
+    for (int i = 0; i < 3; i++) {
+        if (!t[i])
+            continue;
+        snprintf(b, sizeof b, "%s->data", tn[i]);
+        if ((st = fm_check_disjoint(ctx, p, n, pname, t[i]->data, fm_tensor_nbytes(t[i]), b)))
+            return st;
+        snprintf(b, sizeof b, "%s->scale", tn[i]);
+        if (t[i]->scale_mode &&
+            (st = fm_check_disjoint(ctx, p, n, pname, t[i]->scale, fm_tensor_scale_nbytes(t[i]), b)))
+            return st;
+    }
+    return FM_OK;
+}
+
 fm_status fm_quantize(fm_context *ctx, const fm_quant_config *cfg_in, const fm_tensor *in, fm_tensor *out_row,
                       fm_tensor *out_col)
 {
@@ -76,6 +99,24 @@ fm_status fm_quantize(fm_context *ctx, const fm_quant_config *cfg_in, const fm_t
     if (cfg.nonfinite_blocks && ((uintptr_t)cfg.nonfinite_blocks % sizeof(int64_t)))
         return fm_error(ctx, FM_ERR_INVALID_ARG, "cfg->nonfinite_blocks: %p is not 8-byte aligned",
                         (void *)cfg.nonfinite_blocks);
+    if (cfg.amax && (st = check_cfg_output(ctx, cfg.amax, sizeof(float), "cfg->amax", in, out_row, out_col)))
+        return st;
+    if (cfg.nonfinite_blocks && (st = check_cfg_output(ctx, cfg.nonfinite_blocks, sizeof(int64_t),
+                                                       "cfg->nonfinite_blocks", in, out_row, out_col)))
+        return st;
+    if ((st = fm_check_disjoint(ctx, cfg.amax, sizeof(float), "cfg->amax", cfg.nonfinite_blocks, sizeof(int64_t),
+                                "cfg->nonfinite_blocks")))
+        return st;
+    /* The optional outputs live where the input does (no host round trip on CUDA). */
+    void *opt[2] = {cfg.amax, cfg.nonfinite_blocks};
+    static const char *optn[2] = {"cfg->amax", "cfg->nonfinite_blocks"};
+    for (int i = 0; i < 2; i++) {
+        int dev = opt[i] ? fm_cuda_pointer_is_device(opt[i]) : -1;
+        if ((dev == 0 && in->device == FM_DEVICE_CUDA) || (dev == 1 && in->device == FM_DEVICE_HOST))
+            return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: %p is %s memory but the input lives on %s; it must be %s",
+                            optn[i], opt[i], dev ? "CUDA device" : "host", in->device == FM_DEVICE_CUDA ? "CUDA" : "HOST",
+                            in->device == FM_DEVICE_CUDA ? "device memory" : "host memory");
+    }
     if (!ctx->be->quantize)
         return fm_error(ctx, FM_ERR_UNSUPPORTED, "fm_quantize: the %s backend does not implement it", ctx->be->name);
     if ((st = ctx->be->quantize(ctx, &cfg, in, out_row, out_col)))

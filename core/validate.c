@@ -118,6 +118,16 @@ fm_status fm_check_tensor(fm_context *ctx, const fm_tensor *t, const char *name,
                             "%s: data %p is host memory but the descriptor says CUDA (device pointers only)", name,
                             t->data);
     }
+    if (t->scale_mode != FM_SCALE_NONE && t->scale && fm_tensor_scale_count(t) > 0) {
+        int dev = fm_cuda_pointer_is_device(t->scale);
+        if (dev == 1 && t->device == FM_DEVICE_HOST)
+            return fm_error(ctx, FM_ERR_INVALID_ARG,
+                            "%s: scale %p is CUDA device memory but the descriptor says HOST", name, t->scale);
+        if (dev == 0 && t->device == FM_DEVICE_CUDA)
+            return fm_error(ctx, FM_ERR_INVALID_ARG,
+                            "%s: scale %p is host memory but the descriptor says CUDA (device pointers only)", name,
+                            t->scale);
+    }
     return FM_OK;
 }
 
