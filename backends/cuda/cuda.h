@@ -18,6 +18,12 @@ typedef struct fm_cuda_state {
 static inline fm_cuda_state *fm_cuda(fm_context *ctx) { return (fm_cuda_state *)ctx->be_state; }
 static inline cudaStream_t fm_cuda_stream(fm_context *ctx) { return (cudaStream_t)ctx->stream; }
 
+/* An op makes the context's device current and gives the caller's back. */
+typedef struct fm_cuda_device_guard {
+    int prev;
+    int changed;
+} fm_cuda_device_guard;
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -26,6 +32,23 @@ extern "C" {
 fm_status fm_cuda_check(fm_context *ctx, cudaError_t err, const char *what);
 /* After a launch: the launch error, as above. */
 fm_status fm_cuda_check_launch(fm_context *ctx, const char *kernel);
+
+/* Op entry and exit: switch to the context's device and back; `leave`
+ * returns fm_cuda_check(err, what). */
+fm_status fm_cuda_enter(fm_context *ctx, fm_cuda_device_guard *g, const char *op);
+fm_status fm_cuda_leave(fm_context *ctx, fm_cuda_device_guard *g, cudaError_t err, const char *what);
+
+/* Scratch memory for one op, ordered on the context's stream: the context
+ * workspace when it is large enough (ops on one stream run one after the
+ * other, so they never share it at the same time), else a stream-ordered
+ * cudaMallocAsync that the op frees with cudaFreeAsync (*owned = 1). */
+fm_status fm_cuda_scratch(fm_context *ctx, size_t bytes, void **p, int *owned, const char *op);
+
+/* The ops (one file each). */
+fm_status fm_cuda_quantize(fm_context *ctx, const fm_quant_config *cfg, const fm_tensor *in, fm_tensor *out_row,
+                           fm_tensor *out_col);
+fm_status fm_cuda_dequantize(fm_context *ctx, const fm_tensor *in, fm_tensor *out);
+fm_status fm_cuda_scale_layout_convert(fm_context *ctx, const fm_tensor *src, fm_tensor *dst);
 
 #ifdef __cplusplus
 }

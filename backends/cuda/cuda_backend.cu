@@ -46,6 +46,46 @@ fm_status fm_cuda_check_launch(fm_context *ctx, const char *kernel)
     return fm_cuda_check(ctx, cudaGetLastError(), kernel);
 }
 
+fm_status fm_cuda_enter(fm_context *ctx, fm_cuda_device_guard *g, const char *op)
+{
+    g->changed = 0;
+    cudaError_t err = cudaGetDevice(&g->prev);
+    if (err == cudaSuccess && g->prev != fm_cuda(ctx)->device) {
+        err = cudaSetDevice(fm_cuda(ctx)->device);
+        g->changed = err == cudaSuccess;
+    }
+    return fm_cuda_check(ctx, err, op);
+}
+
+fm_status fm_cuda_leave(fm_context *ctx, fm_cuda_device_guard *g, cudaError_t err, const char *what)
+{
+    if (g->changed)
+        cudaSetDevice(g->prev);
+    if (err == cudaSuccess)
+        return FM_OK;
+    cudaGetLastError(); /* a launch error is not sticky: clear it for the next op */
+    return fm_cuda_check(ctx, err, what);
+}
+
+fm_status fm_cuda_scratch(fm_context *ctx, size_t bytes, void **p, int *owned, const char *op)
+{
+    fm_cuda_state *s = fm_cuda(ctx);
+    *owned = 0;
+    if (bytes <= s->workspace_bytes) {
+        *p = s->workspace;
+        return FM_OK;
+    }
+    cudaError_t err = cudaMallocAsync(p, bytes, fm_cuda_stream(ctx));
+    if (err != cudaSuccess) {
+        cudaGetLastError();
+        return fm_error(ctx, err == cudaErrorMemoryAllocation ? FM_ERR_OUT_OF_MEMORY : FM_ERR_BACKEND,
+                        "%s: %zu bytes of scratch (more than the %zu-byte workspace): cudaMallocAsync: %s", op,
+                        bytes, s->workspace_bytes, cudaGetErrorString(err));
+    }
+    *owned = 1;
+    return FM_OK;
+}
+
 static fm_status cuda_synchronize(fm_context *ctx)
 {
     cudaSetDevice(fm_cuda(ctx)->device);
@@ -75,12 +115,13 @@ static void cuda_destroy(fm_context *ctx)
 static const fm_backend cuda_backend = {
     /* .name                 = */ "cuda",
     /* .device               = */ FM_DEVICE_CUDA,
-    /* .quantize             = */ NULL,
-    /* .dequantize           = */ NULL,
-    /* .scale_layout_convert = */ NULL,
+    /* .quantize             = */ fm_cuda_quantize,
+    /* .dequantize           = */ fm_cuda_dequantize,
+    /* .scale_layout_convert = */ fm_cuda_scale_layout_convert,
     /* .synchronize          = */ cuda_synchronize,
     /* .set_stream           = */ cuda_set_stream,
     /* .destroy              = */ cuda_destroy,
+    /* .requantize           = */ NULL,
 };
 
 fm_status fm_cuda_backend_init(fm_context *ctx, const fm_context_config *cfg)

@@ -1,0 +1,230 @@
+/* Device helpers shared by the CUDA kernels and the GPU tests that prove them.
+ *
+ * format.h is the specification; where a hardware instruction replaces one
+ * of its functions for speed, tests/gpu/test_cuda_hw_fp8_cvt_equals_codec.cu
+ * checks that the two agree on every F32 bit pattern (NaN aside: every path
+ * that could feed a NaN into these picks the NaN code explicitly). */
+#ifndef FLOWMOE_CUDA_KERNELS_CUH
+#define FLOWMOE_CUDA_KERNELS_CUH
+
+#include <stdint.h>
+
+#include "flowmoe/format.h"
+
+#define FM_DI static __device__ __forceinline__
+
+/* Two F32 -> two E4M3 / E5M2 codes, `lo` in the low byte: cvt.rn.satfinite. */
+FM_DI uint32_t fm_hw_e4m3x2(float lo, float hi)
+{
+    unsigned short d;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+FM_DI uint32_t fm_hw_e5m2x2(float lo, float hi)
+{
+    unsigned short d;
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+
+/* E2M1 has no conversion instruction on Hopper; integer RNE instead, all
+ * full-rate instructions. |y| >= 1: drop 22 of the fraction bits of |y| / 2^-1
+ * rebiased so the exponent field counts E2M1 exponents, ties to even, clamp
+ * to 7 (satfinite; Inf too). |y| < 1: the code is RNE(2|y|), an integer in
+ * [0, 2], found by adding 2^23 (the F32 add rounds to nearest even). */
+FM_DI uint32_t fm_fast_e2m1(float y)
+{
+    const uint32_t u = __float_as_uint(y), ab = u & 0x7FFFFFFFu;
+    const uint32_t t = ab - 0x3F000000u;
+    uint32_t hi = (t + 0x1FFFFFu + ((t >> 22) & 1u)) >> 22;
+    hi = hi < 7u ? hi : 7u;
+    const uint32_t lo = __float_as_uint(__fadd_rn(__fmul_rn(__uint_as_float(ab), 2.0f), 8388608.0f)) - 0x4B000000u;
+    return (ab >= 0x3F800000u ? hi : lo) | ((u >> 28) & 8u);
+}
+
+/* Two F32 -> BF16 / F16 (RNE, F16 overflows to Inf) through the hardware
+ * cvt, NaN made canonical as format.h requires; low half = lo. */
+FM_DI uint32_t fm_hw_bf16x2(float lo, float hi)
+{
+    uint32_t d;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    if (lo != lo)
+        d = (d & 0xFFFF0000u) | FM_BF16_CANON_NAN;
+    if (hi != hi)
+        d = (d & 0x0000FFFFu) | (FM_BF16_CANON_NAN << 16);
+    return d;
+}
+
+FM_DI uint32_t fm_hw_f16x2(float lo, float hi)
+{
+    uint32_t d;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+    if (lo != lo)
+        d = (d & 0xFFFF0000u) | FM_F16_CANON_NAN;
+    if (hi != hi)
+        d = (d & 0x0000FFFFu) | (FM_F16_CANON_NAN << 16);
+    return d;
+}
+
+/* Two FP8 codes (low byte first) -> two exact F32 values, through F16
+ * (every E4M3 and E5M2 value is an F16 value). NaN codes give some NaN. */
+FM_DI void fm_hw_e4m3x2_to_f32(uint32_t two, float *lo, float *hi)
+{
+    uint32_t h;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)two));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(*lo) : "h"((unsigned short)(h & 0xFFFFu)));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(*hi) : "h"((unsigned short)(h >> 16)));
+}
+
+FM_DI void fm_hw_e5m2x2_to_f32(uint32_t two, float *lo, float *hi)
+{
+    /* An E5M2 code is the top byte of the F16 with the same value. */
+    asm("cvt.f32.f16 %0, %1;" : "=f"(*lo) : "h"((unsigned short)((two & 0xFFu) << 8)));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(*hi) : "h"((unsigned short)(two & 0xFF00u)));
+}
+
+/* One E2M1 nibble -> F32 (exact): magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}. */
+FM_DI float fm_fast_e2m1_to_f32(uint32_t nib)
+{
+    uint32_t e = (nib >> 1) & 3u, m = nib & 1u;
+    uint32_t mag = e ? ((e + 126u) << 23) | (m << 22) : (m ? 0x3F000000u : 0u);
+    return __uint_as_float(mag | ((nib & 8u) << 28));
+}
+
+FM_DI float fm_hw_f16_to_f32(uint16_t h)
+{
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+/* Eight codes of one element dtype from eight F32 values already multiplied
+ * by the block's multiplier: FP8 -> 8 bytes (uint2), E2M1 -> 4 bytes (x). */
+template <int ELEM>
+FM_DI uint2 fm_encode8(const float *y)
+{
+    uint2 r;
+    if (ELEM == FM_DTYPE_E4M3) {
+        r.x = fm_hw_e4m3x2(y[0], y[1]) | (fm_hw_e4m3x2(y[2], y[3]) << 16);
+        r.y = fm_hw_e4m3x2(y[4], y[5]) | (fm_hw_e4m3x2(y[6], y[7]) << 16);
+    } else if (ELEM == FM_DTYPE_E5M2) {
+        r.x = fm_hw_e5m2x2(y[0], y[1]) | (fm_hw_e5m2x2(y[2], y[3]) << 16);
+        r.y = fm_hw_e5m2x2(y[4], y[5]) | (fm_hw_e5m2x2(y[6], y[7]) << 16);
+    } else {
+        uint32_t x = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            x |= fm_fast_e2m1(y[i]) << (4 * i);
+        r.x = x;
+        r.y = 0;
+    }
+    return r;
+}
+
+/* The code bytes every element of a non-finite block gets, replicated. */
+template <int ELEM>
+FM_DI uint32_t fm_nan_word()
+{
+    return ELEM == FM_DTYPE_E4M3 ? 0x7F7F7F7Fu : ELEM == FM_DTYPE_E5M2 ? 0x7E7E7E7Eu : 0u;
+}
+
+/* A block's multiplier and stored scale from its amax bits, exactly as the
+ * CPU's choose_scales: NaN multiplier marks a non-finite block. */
+FM_DI float fm_pick_scale(uint32_t abits, float eps, int rule, int elem, float *s32, uint8_t *s8)
+{
+    if (abits >= 0x7F800000u) {
+        *s32 = fm_bits_f32(FM_F32_CANON_NAN);
+        *s8 = (uint8_t)FM_E8M0_NAN;
+        return fm_bits_f32(FM_F32_CANON_NAN);
+    }
+    float a = fm_bits_f32(abits);
+    if (a < eps)
+        a = eps;
+    if (rule == FM_SCALE_RULE_EXACT) {
+        float m = fm_exact_scale(a, (fm_dtype)elem);
+        *s32 = __fdiv_rn(1.0f, m);
+        *s8 = 0;
+        return m;
+    }
+    int pw = rule == FM_SCALE_RULE_MX_FLOOR ? fm_mx_floor_scale_exp(a, (fm_dtype)elem)
+                                            : fm_pow2_scale_exp(a, (fm_dtype)elem);
+    *s32 = fm_exp2i(pw);
+    *s8 = (uint8_t)(pw + 127);
+    return fm_exp2i(-pw);
+}
+
+/* The inverse of fm_scale_offset within one matrix: which block entry k of a
+ * scale array holds, as the stored (r, c) of the block's first element.
+ * Returns 0 for padding entries of the GEMM layouts. */
+FM_HD int fm_scale_entry(fm_scale_mode m, fm_scale_layout l, int64_t R, int64_t C, int64_t k, int64_t *r,
+                         int64_t *c)
+{
+    int gemm = l == FM_SCALE_LAYOUT_GEMM;
+    switch (m) {
+    case FM_SCALE_TENSOR: *r = 0; *c = 0; return k == 0;
+    case FM_SCALE_ROW: *r = k; *c = 0; return k < R;
+    case FM_SCALE_BLOCK_1x128: {
+        int64_t ncb = fm_cdiv(C, 128);
+        if (gemm) {
+            int64_t rp = fm_round_up(R, 4);
+            *r = k % rp;
+            *c = (k / rp) * 128;
+            return *r < R;
+        }
+        *r = k / ncb;
+        *c = (k % ncb) * 128;
+        return 1;
+    }
+    case FM_SCALE_BLOCK_128x128: {
+        int64_t ncb = fm_cdiv(C, 128);
+        int64_t w = gemm ? fm_round_up(ncb, 4) : ncb;
+        int64_t cb = k % w;
+        *r = (k / w) * 128;
+        *c = cb * 128;
+        return cb < ncb;
+    }
+    case FM_SCALE_MX32: {
+        int64_t ncb = fm_cdiv(C, 32);
+        if (gemm) {
+            int64_t ncb4 = fm_round_up(ncb, 4) / 4, tile = k / 512, w = k % 512;
+            int64_t rr = (tile / ncb4) * 128 + ((w % 16) / 4) * 32 + w / 16;
+            int64_t cb = (tile % ncb4) * 4 + w % 4;
+            *r = rr;
+            *c = cb * 32;
+            return rr < R && cb < ncb;
+        }
+        *r = k / ncb;
+        *c = (k % ncb) * 32;
+        return 1;
+    }
+    default: *r = 0; *c = 0; return 0;
+    }
+}
+
+/* Unsigned 32-bit division by a run-time constant (Granlund-Montgomery, as
+ * CUTLASS's FastDivmod): one mul.hi and a shift instead of a division loop. */
+typedef struct fm_fastdiv {
+    uint32_t d, mul, shift;
+} fm_fastdiv;
+
+static inline fm_fastdiv fm_fastdiv_make(uint32_t d)
+{
+    fm_fastdiv f;
+    f.d = d;
+    f.shift = 0;
+    while (f.shift < 32 && ((uint64_t)1 << f.shift) < d)
+        f.shift++;
+    f.mul = (uint32_t)((((uint64_t)1 << 32) * (((uint64_t)1 << f.shift) - d)) / d + 1);
+    return f;
+}
+
+FM_DI uint32_t fm_fastdiv_div(fm_fastdiv f, uint32_t n)
+{
+    if (f.d == 1)
+        return n;
+    uint32_t t = __umulhi(n, f.mul);
+    return (t + ((n - t) >> 1)) >> (f.shift - 1);
+}
+
+#endif

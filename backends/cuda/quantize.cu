@@ -1,0 +1,759 @@
+/* CUDA quantize: every mode, row-wise and column-wise outputs from one pass
+ * over the input, bit-exact with backends/cpu/quantize.c.
+ *
+ * The work is cut into 128 x 128 tiles of the logical matrix (one CTA of 256
+ * threads each). Every block of BLOCK_1x128, BLOCK_128x128 and MX32, in
+ * either layout, lies inside one tile, so a tile computes its blocks' amax,
+ * scales and codes from registers without another pass. Each thread holds an
+ * 8 x 8 sub-tile (8 consecutive rows, 8 consecutive columns): row blocks
+ * reduce across lanes with shuffles, column blocks across the thread's 8
+ * rows, its partner lane and the other warps through shared memory. The
+ * column-wise codes are transposed through a swizzled shared-memory tile so
+ * that both outputs leave in full, coalesced segments.
+ *
+ * TENSOR and ROW blocks span many tiles: a first kernel reduces their amax
+ * (atomicMax on the integer bits of |x|, which orders NaN > Inf > finite and
+ * is order-independent, hence deterministic), a small kernel turns them into
+ * scales and multipliers, then the tile kernel encodes. The same small kernel
+ * writes the padding entries of GEMM scale layouts (1.0 / E8M0 127). */
+#include <stdint.h>
+#include <string.h>
+
+#include "cuda.h"
+#include "kernels.cuh"
+
+#define QT 128
+#define QTHREADS 256
+
+typedef struct qout {
+    uint8_t *data;
+    void *scale;
+    int mode, layout, rule, elem;
+    int64_t R, C;          /* stored matrix */
+    int64_t per;           /* scale entries per expert */
+    int64_t code_bytes;    /* data bytes per expert */
+    float *gmult;          /* TENSOR / ROW multipliers, [E * nblk] */
+    uint32_t *gamax;       /* TENSOR / ROW amax bits, [E * nblk] */
+    int64_t nblk;          /* TENSOR: 1, ROW: R */
+    int e8;
+    int vec;               /* vector stores are aligned */
+} qout;
+
+typedef struct qparams {
+    const void *in;
+    int64_t E, rows, cols, ntr, ntc, ntiles;
+    int vec_in;
+    float eps;
+    uint32_t *amax;                   /* cfg->amax as bits, or NULL */
+    unsigned long long *nonfinite;    /* cfg->nonfinite_blocks, or NULL */
+    qout o[2];                        /* [0] row-wise, [1] column-wise */
+} qparams;
+
+/* Element (rr, cc) of the thread's sub-tile: rows w*16 + hr*8 + k, columns
+ * cv*8 + j of the tile. A warp's load covers two whole 256-byte rows. */
+template <int IN>
+static __device__ __forceinline__ void load_tile(const qparams &p, int64_t e, int64_t r0, int64_t c0, bool vec,
+                                                 float v[8][8])
+{
+    const int w = threadIdx.x >> 5, l = threadIdx.x & 31, hr = l >> 4, cv = l & 15;
+    const int64_t rb = r0 + w * 16 + hr * 8, cb = c0 + cv * 8;
+    if (vec) {
+        if (IN == FM_DTYPE_F32) {
+            float4 raw[16];
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const float4 *src = (const float4 *)((const float *)p.in + ((e * p.rows + rb + k) * p.cols + cb));
+                raw[2 * k] = __ldcs(src);
+                raw[2 * k + 1] = __ldcs(src + 1);
+            }
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                v[k][0] = raw[2 * k].x; v[k][1] = raw[2 * k].y; v[k][2] = raw[2 * k].z; v[k][3] = raw[2 * k].w;
+                v[k][4] = raw[2 * k + 1].x; v[k][5] = raw[2 * k + 1].y;
+                v[k][6] = raw[2 * k + 1].z; v[k][7] = raw[2 * k + 1].w;
+            }
+        } else {
+            uint4 raw[8];
+#pragma unroll
+            for (int k = 0; k < 8; k++)
+                raw[k] = __ldcs((const uint4 *)((const uint16_t *)p.in + ((e * p.rows + rb + k) * p.cols + cb)));
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                uint32_t wd[4] = {raw[k].x, raw[k].y, raw[k].z, raw[k].w};
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    if (IN == FM_DTYPE_BF16) {
+                        v[k][2 * q] = __uint_as_float(wd[q] << 16);
+                        v[k][2 * q + 1] = __uint_as_float(wd[q] & 0xFFFF0000u);
+                    } else {
+                        v[k][2 * q] = fm_hw_f16_to_f32((uint16_t)(wd[q] & 0xFFFFu));
+                        v[k][2 * q + 1] = fm_hw_f16_to_f32((uint16_t)(wd[q] >> 16));
+                    }
+                }
+            }
+        }
+        return;
+    }
+    /* Edge tiles and unaligned shapes: element loads; outside the matrix
+     * reads as 0, which no amax notices. */
+#pragma unroll
+    for (int k = 0; k < 8; k++)
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            int64_t rr = rb + k, cc = cb + j;
+            float x = 0.0f;
+            if (rr < p.rows && cc < p.cols) {
+                int64_t i = (e * p.rows + rr) * p.cols + cc;
+                if (IN == FM_DTYPE_F32)
+                    x = ((const float *)p.in)[i];
+                else if (IN == FM_DTYPE_BF16)
+                    x = fm_bf16_to_f32(((const uint16_t *)p.in)[i]);
+                else
+                    x = fm_hw_f16_to_f32(((const uint16_t *)p.in)[i]);
+            }
+            v[k][j] = x;
+        }
+}
+
+static __device__ __forceinline__ uint32_t absbits(float x) { return __float_as_uint(x) & 0x7FFFFFFFu; }
+
+static __device__ __forceinline__ uint32_t fm_umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
+
+static __device__ __forceinline__ void put_scale(const qout &o, int64_t e, int64_t r, int64_t c, float s32,
+                                                 uint8_t s8)
+{
+    int64_t off = e * o.per + fm_scale_offset((fm_scale_mode)o.mode, (fm_scale_layout)o.layout, o.R, o.C, r, c);
+    if (o.e8)
+        ((uint8_t *)o.scale)[off] = s8;
+    else
+        ((float *)o.scale)[off] = s32;
+}
+
+static __device__ __forceinline__ void count_bad(const qparams &p, uint32_t abits)
+{
+    if (abits >= 0x7F800000u && p.nonfinite)
+        atomicAdd(p.nonfinite, 1ull);
+}
+
+/* A permuted column index for the per-warp column maxima: lanes 0..15 of a
+ * store hold columns cv*8 + j for one j, which then fall in 16 banks. */
+static __device__ __forceinline__ int pcol(int c) { return (c & 7) * 16 + (c >> 3); }
+
+template <int IN, int RE, int CE>
+__global__ void __launch_bounds__(QTHREADS, 2) quant_tile_kernel(const qparams p)
+{
+    __shared__ uint32_t red[8][128];
+    __shared__ float cmul[4][128];
+    __shared__ uint32_t wred[8];
+    /* Column-wise codes of the tile, [tile column][tile row], 128 bytes a
+     * column, 8-byte (FP8) or 4-byte (E2M1) units XOR-swizzled by the
+     * column so both the scattered writes and the row reads avoid bank
+     * conflicts. */
+    __shared__ __align__(16) uint8_t tsm[128 * 128];
+
+    const int tid = threadIdx.x, w = tid >> 5, l = tid & 31, hr = l >> 4, cv = l & 15;
+    const qout &orow = p.o[0];
+    const qout &ocol = p.o[1];
+    const bool need_tmax = p.amax || (RE && orow.mode == FM_SCALE_BLOCK_128x128) ||
+                           (CE && ocol.mode == FM_SCALE_BLOCK_128x128);
+
+    for (int64_t t = blockIdx.x; t < p.ntiles; t += gridDim.x) {
+        const int64_t tc = t % p.ntc, tq = t / p.ntc, tr = tq % p.ntr, e = tq / p.ntr;
+        const int64_t r0 = tr * QT, c0 = tc * QT;
+        const bool full = r0 + QT <= p.rows && c0 + QT <= p.cols;
+        const int64_t rb = r0 + w * 16 + hr * 8, cb = c0 + cv * 8;
+
+        float v[8][8];
+        load_tile<IN>(p, e, r0, c0, full && p.vec_in, v);
+
+        uint32_t tmax = 0;
+        if (need_tmax) {
+            uint32_t m = 0;
+#pragma unroll
+            for (int k = 0; k < 8; k++)
+#pragma unroll
+                for (int j = 0; j < 8; j++)
+                    m = fm_umax(m, absbits(v[k][j]));
+#pragma unroll
+            for (int s = 16; s; s >>= 1)
+                m = fm_umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, s));
+            if (l == 0)
+                wred[w] = m;
+            __syncthreads();
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                tmax = fm_umax(tmax, wred[i]);
+            if (p.amax && tid == 0)
+                atomicMax(p.amax, tmax > 0x7F800000u ? FM_F32_CANON_NAN : tmax);
+        }
+
+        /* ---- row-wise output: stored [rows, cols] ---- */
+        if (RE) {
+            float mult[8];
+            const int mode = orow.mode;
+            if (mode == FM_SCALE_BLOCK_1x128 || mode == FM_SCALE_MX32) {
+                uint32_t rm[8];
+#pragma unroll
+                for (int k = 0; k < 8; k++) {
+                    uint32_t m = 0;
+#pragma unroll
+                    for (int j = 0; j < 8; j++)
+                        m = fm_umax(m, absbits(v[k][j]));
+                    m = fm_umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
+                    m = fm_umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
+                    if (mode == FM_SCALE_BLOCK_1x128) {
+                        m = fm_umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, 4));
+                        m = fm_umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, 8));
+                    }
+                    rm[k] = m;
+                }
+                /* The lanes of a block share its 8 row maxima: each lane picks
+                 * the scale of one (1x128) or two (MX32) rows and the others
+                 * take the multipliers by shuffle, instead of every lane
+                 * running the scale rule 8 times. */
+                float s32a, s32b;
+                uint8_t s8a, s8b;
+                if (mode == FM_SCALE_BLOCK_1x128) {
+                    const int ks = cv & 7;
+                    uint32_t mine = 0;
+#pragma unroll
+                    for (int k = 0; k < 8; k++)
+                        mine = k == ks ? rm[k] : mine;
+                    const float ma = fm_pick_scale(mine, p.eps, orow.rule, RE, &s32a, &s8a);
+                    if (cv < 8 && rb + ks < p.rows && c0 < p.cols) {
+                        put_scale(orow, e, rb + ks, c0, s32a, s8a);
+                        count_bad(p, mine);
+                    }
+#pragma unroll
+                    for (int k = 0; k < 8; k++)
+                        mult[k] = __shfl_sync(0xFFFFFFFFu, ma, (l & 16) | k);
+                } else {
+                    const int i2 = (cv & 3) * 2;
+                    uint32_t m0 = 0, m1 = 0;
+#pragma unroll
+                    for (int k = 0; k < 8; k += 2) {
+                        m0 = k == i2 ? rm[k] : m0;
+                        m1 = k == i2 ? rm[k + 1] : m1;
+                    }
+                    const float ma = fm_pick_scale(m0, p.eps, orow.rule, RE, &s32a, &s8a);
+                    const float mb = fm_pick_scale(m1, p.eps, orow.rule, RE, &s32b, &s8b);
+                    const int64_t cs = c0 + (cv >> 2) * 32;
+                    if (cs < p.cols) {
+                        if (rb + i2 < p.rows) {
+                            put_scale(orow, e, rb + i2, cs, s32a, s8a);
+                            count_bad(p, m0);
+                        }
+                        if (rb + i2 + 1 < p.rows) {
+                            put_scale(orow, e, rb + i2 + 1, cs, s32b, s8b);
+                            count_bad(p, m1);
+                        }
+                    }
+                    const int g0 = l & ~3;
+#pragma unroll
+                    for (int k = 0; k < 8; k++)
+                        mult[k] = __shfl_sync(0xFFFFFFFFu, (k & 1) ? mb : ma, g0 + (k >> 1));
+                }
+            } else if (mode == FM_SCALE_BLOCK_128x128) {
+                float s32;
+                uint8_t s8;
+                float m = fm_pick_scale(tmax, p.eps, orow.rule, RE, &s32, &s8);
+                if (tid == 0) {
+                    put_scale(orow, e, r0, c0, s32, s8);
+                    count_bad(p, tmax);
+                }
+#pragma unroll
+                for (int k = 0; k < 8; k++)
+                    mult[k] = m;
+            } else {
+#pragma unroll
+                for (int k = 0; k < 8; k++) {
+                    int64_t b = mode == FM_SCALE_TENSOR ? e : e * p.rows + (rb + k < p.rows ? rb + k : 0);
+                    mult[k] = orow.gmult[b];
+                }
+            }
+            const bool vs = full && orow.vec;
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                float y[8];
+#pragma unroll
+                for (int j = 0; j < 8; j++)
+                    y[j] = v[k][j] * mult[k];
+                uint2 code = fm_encode8<RE>(y);
+                if (mult[k] != mult[k])
+                    code.x = code.y = fm_nan_word<RE>();
+                const int64_t rr = rb + k;
+                if (vs) {
+                    if (RE == FM_DTYPE_E2M1)
+                        __stcs((unsigned int *)(orow.data + e * orow.code_bytes + (rr * p.cols + cb) / 2), code.x);
+                    else
+                        __stcs((uint2 *)(orow.data + e * orow.code_bytes + rr * p.cols + cb), code);
+                } else if (rr < p.rows) {
+                    uint8_t *dst = orow.data + e * orow.code_bytes;
+                    if (RE == FM_DTYPE_E2M1) {
+#pragma unroll
+                        for (int j = 0; j < 8; j += 2)
+                            if (cb + j < p.cols)
+                                dst[(rr * p.cols + cb + j) / 2] = (uint8_t)(code.x >> (4 * j));
+                    } else {
+#pragma unroll
+                        for (int j = 0; j < 8; j++)
+                            if (cb + j < p.cols)
+                                dst[rr * p.cols + cb + j] = (uint8_t)((j < 4 ? code.x : code.y) >> (8 * (j & 3)));
+                    }
+                }
+            }
+        }
+
+        /* ---- column-wise output: stored [cols, rows], blocks along rows ---- */
+        if (CE) {
+            float cm[8];
+            const int mode = ocol.mode;
+            if (mode == FM_SCALE_BLOCK_1x128 || mode == FM_SCALE_MX32) {
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    uint32_t m = 0;
+#pragma unroll
+                    for (int k = 0; k < 8; k++)
+                        m = fm_umax(m, absbits(v[k][j]));
+                    m = fm_umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, 16));
+                    if (hr == 0)
+                        red[w][j * 16 + cv] = m;
+                }
+                __syncthreads();
+                if (mode == FM_SCALE_BLOCK_1x128) {
+                    if (tid < 128) {
+                        const int c = tid, pc = pcol(c);
+                        uint32_t m = 0;
+#pragma unroll
+                        for (int i = 0; i < 8; i++)
+                            m = fm_umax(m, red[i][pc]);
+                        float s32;
+                        uint8_t s8;
+                        cmul[0][pc] = fm_pick_scale(m, p.eps, ocol.rule, CE, &s32, &s8);
+                        if (c0 + c < p.cols) {
+                            put_scale(ocol, e, c0 + c, r0, s32, s8);
+                            count_bad(p, m);
+                        }
+                    }
+                } else {
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const int idx = tid + h * QTHREADS, q = idx >> 7, c = idx & 127, pc = pcol(c);
+                        uint32_t m = fm_umax(red[2 * q][pc], red[2 * q + 1][pc]);
+                        float s32;
+                        uint8_t s8;
+                        cmul[q][pc] = fm_pick_scale(m, p.eps, ocol.rule, CE, &s32, &s8);
+                        if (c0 + c < p.cols && r0 + 32 * q < p.rows) {
+                            put_scale(ocol, e, c0 + c, r0 + 32 * q, s32, s8);
+                            count_bad(p, m);
+                        }
+                    }
+                }
+                __syncthreads();
+                const int q = mode == FM_SCALE_BLOCK_1x128 ? 0 : w >> 1;
+#pragma unroll
+                for (int j = 0; j < 8; j++)
+                    cm[j] = cmul[q][j * 16 + cv];
+            } else if (mode == FM_SCALE_BLOCK_128x128) {
+                float s32;
+                uint8_t s8;
+                float m = fm_pick_scale(tmax, p.eps, ocol.rule, CE, &s32, &s8);
+                if (tid == 0) {
+                    put_scale(ocol, e, c0, r0, s32, s8);
+                    count_bad(p, tmax);
+                }
+#pragma unroll
+                for (int j = 0; j < 8; j++)
+                    cm[j] = m;
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    int64_t b = mode == FM_SCALE_TENSOR ? e : e * p.cols + (cb + j < p.cols ? cb + j : 0);
+                    cm[j] = ocol.gmult[b];
+                }
+            }
+
+            const int u = w * 2 + hr; /* this thread's 8-row unit of the tile column */
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                float y[8];
+#pragma unroll
+                for (int k = 0; k < 8; k++)
+                    y[k] = v[k][j] * cm[j];
+                uint2 code = fm_encode8<CE>(y);
+                if (cm[j] != cm[j])
+                    code.x = code.y = fm_nan_word<CE>();
+                const int c = cv * 8 + j, f = (c >> 3) & 15;
+                if (CE == FM_DTYPE_E2M1)
+                    *(uint32_t *)(tsm + c * 128 + 4 * (((u ^ f) & 15) | (((u ^ c) & 1) << 4))) = code.x;
+                else
+                    *(uint2 *)(tsm + c * 128 + 8 * ((u ^ f) & 15)) = code;
+            }
+            __syncthreads();
+
+            const bool vs = full && ocol.vec;
+            uint8_t *dst = ocol.data + e * ocol.code_bytes;
+            if (CE == FM_DTYPE_E2M1) {
+#pragma unroll
+                for (int pass = 0; pass < 8; pass++) {
+                    const int idx = tid + pass * QTHREADS, c = idx >> 4, uu = idx & 15, f = (c >> 3) & 15;
+                    uint32_t word = *(const uint32_t *)(tsm + c * 128 + 4 * (((uu ^ f) & 15) | (((uu ^ c) & 1) << 4)));
+                    const int64_t sr = c0 + c, sc = r0 + 8 * uu; /* stored row, first stored column */
+                    if (vs) {
+                        __stcs((unsigned int *)(dst + (sr * p.rows + sc) / 2), word);
+                    } else if (sr < p.cols) {
+#pragma unroll
+                        for (int b = 0; b < 4; b++)
+                            if (sc + 2 * b < p.rows)
+                                dst[(sr * p.rows + sc) / 2 + b] = (uint8_t)(word >> (8 * b));
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int pass = 0; pass < 4; pass++) {
+                    const int idx = tid + pass * QTHREADS, c = idx >> 3, qq = idx & 7, f = (c >> 3) & 15;
+                    const int pu = (2 * qq) ^ f;
+                    uint4 val = *(const uint4 *)(tsm + c * 128 + 8 * (pu & ~1));
+                    if (pu & 1) {
+                        uint32_t tx = val.x, ty = val.y;
+                        val.x = val.z;
+                        val.y = val.w;
+                        val.z = tx;
+                        val.w = ty;
+                    }
+                    const int64_t sr = c0 + c, sc = r0 + 16 * qq;
+                    if (vs) {
+                        __stcs((uint4 *)(dst + sr * p.rows + sc), val);
+                    } else if (sr < p.cols) {
+                        uint32_t wd[4] = {val.x, val.y, val.z, val.w};
+#pragma unroll
+                        for (int b = 0; b < 16; b++)
+                            if (sc + b < p.rows)
+                                dst[sr * p.rows + sc + b] = (uint8_t)(wd[b >> 2] >> (8 * (b & 3)));
+                    }
+                }
+            }
+        }
+        __syncthreads(); /* red, cmul, wred and tsm are reused by the next tile */
+    }
+}
+
+/* ---- TENSOR / ROW: amax over many tiles ---------------------------------- */
+
+typedef struct ppparams {
+    const void *in;
+    int64_t E, rows, cols, ntr, ntc, ntiles;
+    int vec_in;
+    uint32_t *tmax[2];   /* per expert, for a TENSOR output (row-wise, column-wise) */
+    uint32_t *rmax;      /* per logical row, for a row-wise ROW output */
+    uint32_t *cmax;      /* per logical column, for a column-wise ROW output */
+} ppparams;
+
+template <int IN>
+__global__ void __launch_bounds__(QTHREADS, 2) quant_amax_kernel(const ppparams pp)
+{
+    __shared__ uint32_t red[8][128];
+    __shared__ uint32_t wred[8];
+    const int tid = threadIdx.x, w = tid >> 5, l = tid & 31, hr = l >> 4, cv = l & 15;
+    qparams p;
+    p.in = pp.in;
+    p.E = pp.E;
+    p.rows = pp.rows;
+    p.cols = pp.cols;
+    for (int64_t t = blockIdx.x; t < pp.ntiles; t += gridDim.x) {
+        const int64_t tc = t % pp.ntc, tq = t / pp.ntc, tr = tq % pp.ntr, e = tq / pp.ntr;
+        const int64_t r0 = tr * QT, c0 = tc * QT;
+        const bool full = r0 + QT <= pp.rows && c0 + QT <= pp.cols;
+        const int64_t rb = r0 + w * 16 + hr * 8;
+        float v[8][8];
+        load_tile<IN>(p, e, r0, c0, full && pp.vec_in, v);
+        if (pp.tmax[0] || pp.tmax[1]) {
+            uint32_t m = 0;
+#pragma unroll
+            for (int k = 0; k < 8; k++)
+#pragma unroll
+                for (int j = 0; j < 8; j++)
+                    m = fm_umax(m, absbits(v[k][j]));
+#pragma unroll
+            for (int s = 16; s; s >>= 1)
+                m = fm_umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, s));
+            if (l == 0)
+                wred[w] = m;
+            __syncthreads();
+            if (tid == 0) {
+                for (int i = 1; i < 8; i++)
+                    m = fm_umax(m, wred[i]);
+                if (pp.tmax[0])
+                    atomicMax(pp.tmax[0] + e, m);
+                if (pp.tmax[1])
+                    atomicMax(pp.tmax[1] + e, m);
+            }
+        }
+        if (pp.rmax) {
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                uint32_t m = 0;
+#pragma unroll
+                for (int j = 0; j < 8; j++)
+                    m = fm_umax(m, absbits(v[k][j]));
+#pragma unroll
+                for (int s = 1; s < 16; s <<= 1)
+                    m = fm_umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, s));
+                if (cv == 0 && rb + k < pp.rows)
+                    atomicMax(pp.rmax + e * pp.rows + rb + k, m);
+            }
+        }
+        if (pp.cmax) {
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                uint32_t m = 0;
+#pragma unroll
+                for (int k = 0; k < 8; k++)
+                    m = fm_umax(m, absbits(v[k][j]));
+                m = fm_umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, 16));
+                if (hr == 0)
+                    red[w][j * 16 + cv] = m;
+            }
+            __syncthreads();
+            if (tid < 128 && c0 + tid < pp.cols) {
+                uint32_t m = 0;
+                for (int i = 0; i < 8; i++)
+                    m = fm_umax(m, red[i][pcol(tid)]);
+                atomicMax(pp.cmax + e * pp.cols + c0 + tid, m);
+            }
+        }
+        __syncthreads();
+    }
+}
+
+/* ---- TENSOR / ROW scales, and GEMM-layout padding ------------------------ */
+
+typedef struct auxparams {
+    int64_t E;
+    float eps;
+    unsigned long long *nonfinite;
+    int64_t n[2];       /* work items of each output */
+    int kind[2];        /* 0 none, 1 TENSOR/ROW scales, 2 GEMM padding */
+    qout o[2];
+} auxparams;
+
+__global__ void quant_aux_kernel(const auxparams a)
+{
+    const int64_t total = a.n[0] + a.n[1];
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+        const int which = i < a.n[0] ? 0 : 1;
+        const int64_t k = which ? i - a.n[0] : i;
+        const qout &o = a.o[which];
+        if (a.kind[which] == 1) {
+            const int64_t e = k / o.nblk, b = k % o.nblk;
+            const uint32_t m = o.gamax[k];
+            float s32;
+            uint8_t s8;
+            o.gmult[k] = fm_pick_scale(m, a.eps, o.rule, o.elem, &s32, &s8);
+            ((float *)o.scale)[e * o.per + b] = s32;
+            if (m >= 0x7F800000u && a.nonfinite)
+                atomicAdd(a.nonfinite, 1ull);
+        } else {
+            const int64_t e = k / o.per, kk = k % o.per;
+            int64_t r, c;
+            if (!fm_scale_entry((fm_scale_mode)o.mode, (fm_scale_layout)o.layout, o.R, o.C, kk, &r, &c)) {
+                if (o.e8)
+                    ((uint8_t *)o.scale)[e * o.per + kk] = 127;
+                else
+                    ((float *)o.scale)[e * o.per + kk] = 1.0f;
+            }
+        }
+    }
+}
+
+/* ---- host side ------------------------------------------------------------ */
+
+template <int IN>
+static void launch_tile(const qparams &p, int re, int ce, unsigned grid, cudaStream_t st)
+{
+#define FM_Q_CASE(R_, C_)                                                          \
+    if (re == R_ && ce == C_) {                                                    \
+        quant_tile_kernel<IN, R_, C_><<<grid, QTHREADS, 0, st>>>(p);               \
+        return;                                                                    \
+    }
+#define FM_Q_ROW(R_)                                                               \
+    FM_Q_CASE(R_, 0) FM_Q_CASE(R_, FM_DTYPE_E4M3) FM_Q_CASE(R_, FM_DTYPE_E5M2) FM_Q_CASE(R_, FM_DTYPE_E2M1)
+    FM_Q_CASE(0, FM_DTYPE_E4M3) FM_Q_CASE(0, FM_DTYPE_E5M2) FM_Q_CASE(0, FM_DTYPE_E2M1)
+    FM_Q_ROW(FM_DTYPE_E4M3) FM_Q_ROW(FM_DTYPE_E5M2) FM_Q_ROW(FM_DTYPE_E2M1)
+#undef FM_Q_ROW
+#undef FM_Q_CASE
+}
+
+static void setup_out(qout *o, const fm_tensor *t, const fm_quant_config *cfg, int colwise, int64_t rows,
+                      int64_t cols)
+{
+    memset(o, 0, sizeof *o);
+    if (!t)
+        return;
+    o->data = (uint8_t *)t->data;
+    o->scale = t->scale;
+    o->mode = t->scale_mode;
+    o->layout = t->scale_layout;
+    o->rule = fm_effective_rule(cfg->rule, t->scale_mode);
+    o->elem = t->dtype;
+    o->R = colwise ? cols : rows;
+    o->C = colwise ? rows : cols;
+    o->per = fm_scale_count_2d(t->scale_mode, t->scale_layout, o->R, o->C);
+    o->code_bytes = t->dtype == FM_DTYPE_E2M1 ? o->R * o->C / 2 : o->R * o->C;
+    o->e8 = t->scale_dtype == FM_DTYPE_E8M0;
+    o->nblk = t->scale_mode == FM_SCALE_TENSOR ? 1 : o->R;
+    uintptr_t a = (uintptr_t)t->data;
+    if (!colwise)
+        o->vec = cols % 8 == 0 && a % (t->dtype == FM_DTYPE_E2M1 ? 4 : 8) == 0;
+    else
+        o->vec = t->dtype == FM_DTYPE_E2M1 ? rows % 8 == 0 && a % 4 == 0 : rows % 16 == 0 && a % 16 == 0;
+}
+
+static int is_global_mode(const fm_tensor *t)
+{
+    return t && (t->scale_mode == FM_SCALE_TENSOR || t->scale_mode == FM_SCALE_ROW);
+}
+
+static int has_gemm_padding(const fm_tensor *t)
+{
+    return t && t->scale_layout == FM_SCALE_LAYOUT_GEMM &&
+           (t->scale_mode == FM_SCALE_BLOCK_1x128 || t->scale_mode == FM_SCALE_BLOCK_128x128 ||
+            t->scale_mode == FM_SCALE_MX32);
+}
+
+static unsigned grid_for(int64_t items, int64_t cap)
+{
+    int64_t g = items < cap ? items : cap;
+    return (unsigned)(g > 0 ? g : 1);
+}
+
+extern "C" fm_status fm_cuda_quantize(fm_context *ctx, const fm_quant_config *cfg, const fm_tensor *in,
+                                      fm_tensor *out_row, fm_tensor *out_col)
+{
+    fm_cuda_device_guard guard;
+    fm_status st = fm_cuda_enter(ctx, &guard, "fm_quantize");
+    if (st)
+        return st;
+    cudaStream_t s = fm_cuda_stream(ctx);
+    const int64_t E = fm_tensor_experts(in), rows = fm_tensor_stored_rows(in), cols = fm_tensor_stored_cols(in);
+    const int64_t numel = E * rows * cols;
+
+    qparams p;
+    memset(&p, 0, sizeof p);
+    p.in = in->data;
+    p.E = E;
+    p.rows = rows;
+    p.cols = cols;
+    p.ntr = fm_cdiv(rows, QT);
+    p.ntc = fm_cdiv(cols, QT);
+    p.ntiles = numel ? E * p.ntr * p.ntc : 0;
+    p.vec_in = cols % 8 == 0 && (uintptr_t)in->data % 16 == 0;
+    p.eps = cfg->epsilon;
+    p.amax = (uint32_t *)cfg->amax;
+    p.nonfinite = (unsigned long long *)cfg->nonfinite_blocks;
+    setup_out(&p.o[0], out_row, cfg, 0, rows, cols);
+    setup_out(&p.o[1], out_col, cfg, 1, rows, cols);
+
+    cudaError_t err = cudaSuccess;
+    if (cfg->amax && (err = cudaMemsetAsync(cfg->amax, 0, sizeof(float), s)) != cudaSuccess)
+        return fm_cuda_leave(ctx, &guard, err, "fm_quantize: cudaMemsetAsync(cfg->amax)");
+    if (cfg->nonfinite_blocks && (err = cudaMemsetAsync(cfg->nonfinite_blocks, 0, sizeof(int64_t), s)) != cudaSuccess)
+        return fm_cuda_leave(ctx, &guard, err, "fm_quantize: cudaMemsetAsync(cfg->nonfinite_blocks)");
+
+    /* TENSOR / ROW: amax bits and multipliers in scratch, [E * nblk] each. */
+    const fm_tensor *outs[2] = {out_row, out_col};
+    int64_t nglob[2] = {0, 0}, scratch = 0;
+    for (int k = 0; k < 2; k++)
+        if (is_global_mode(outs[k])) {
+            nglob[k] = E * p.o[k].nblk;
+            scratch += fm_round_up(nglob[k], 64) * 8;
+        }
+    void *buf = NULL;
+    int owned = 0;
+    if (scratch) {
+        st = fm_cuda_scratch(ctx, (size_t)scratch, &buf, &owned, "fm_quantize");
+        if (st) {
+            fm_cuda_leave(ctx, &guard, cudaSuccess, NULL);
+            return st;
+        }
+        uint8_t *b = (uint8_t *)buf;
+        for (int k = 0; k < 2; k++)
+            if (nglob[k]) {
+                p.o[k].gamax = (uint32_t *)b;
+                p.o[k].gmult = (float *)(b + fm_round_up(nglob[k], 64) * 4);
+                b += fm_round_up(nglob[k], 64) * 8;
+            }
+        if ((err = cudaMemsetAsync(buf, 0, (size_t)scratch, s)) != cudaSuccess)
+            goto out;
+        if (p.ntiles) {
+            ppparams pp;
+            memset(&pp, 0, sizeof pp);
+            pp.in = in->data;
+            pp.E = E;
+            pp.rows = rows;
+            pp.cols = cols;
+            pp.ntr = p.ntr;
+            pp.ntc = p.ntc;
+            pp.ntiles = p.ntiles;
+            pp.vec_in = p.vec_in;
+            for (int k = 0; k < 2; k++)
+                if (nglob[k] && outs[k]->scale_mode == FM_SCALE_TENSOR)
+                    pp.tmax[k] = p.o[k].gamax;
+            if (nglob[0] && out_row->scale_mode == FM_SCALE_ROW)
+                pp.rmax = p.o[0].gamax;
+            if (nglob[1] && out_col->scale_mode == FM_SCALE_ROW)
+                pp.cmax = p.o[1].gamax;
+            unsigned g = grid_for(p.ntiles, (int64_t)1 << 30);
+            if (in->dtype == FM_DTYPE_F32)
+                quant_amax_kernel<FM_DTYPE_F32><<<g, QTHREADS, 0, s>>>(pp);
+            else if (in->dtype == FM_DTYPE_BF16)
+                quant_amax_kernel<FM_DTYPE_BF16><<<g, QTHREADS, 0, s>>>(pp);
+            else
+                quant_amax_kernel<FM_DTYPE_F16><<<g, QTHREADS, 0, s>>>(pp);
+            if ((err = cudaGetLastError()) != cudaSuccess)
+                goto out;
+        }
+    }
+
+    {
+        auxparams a;
+        memset(&a, 0, sizeof a);
+        a.E = E;
+        a.eps = cfg->epsilon;
+        a.nonfinite = p.nonfinite;
+        for (int k = 0; k < 2; k++) {
+            a.o[k] = p.o[k];
+            if (nglob[k]) {
+                a.kind[k] = 1;
+                a.n[k] = nglob[k];
+            } else if (has_gemm_padding(outs[k])) {
+                a.kind[k] = 2;
+                a.n[k] = E * p.o[k].per;
+            }
+        }
+        if (a.n[0] + a.n[1] > 0) {
+            quant_aux_kernel<<<grid_for(fm_cdiv(a.n[0] + a.n[1], 256), 4096), 256, 0, s>>>(a);
+            if ((err = cudaGetLastError()) != cudaSuccess)
+                goto out;
+        }
+    }
+
+    if (p.ntiles) {
+        const int re = out_row ? out_row->dtype : 0, ce = out_col ? out_col->dtype : 0;
+        unsigned g = grid_for(p.ntiles, (int64_t)1 << 30);
+        if (in->dtype == FM_DTYPE_F32)
+            launch_tile<FM_DTYPE_F32>(p, re, ce, g, s);
+        else if (in->dtype == FM_DTYPE_BF16)
+            launch_tile<FM_DTYPE_BF16>(p, re, ce, g, s);
+        else
+            launch_tile<FM_DTYPE_F16>(p, re, ce, g, s);
+        err = cudaGetLastError();
+    }
+out:
+    if (owned) {
+        cudaError_t e2 = cudaFreeAsync(buf, s);
+        if (err == cudaSuccess)
+            err = e2;
+    }
+    return fm_cuda_leave(ctx, &guard, err, "fm_quantize: kernel launch");
+}

@@ -1,0 +1,107 @@
+/* The hardware conversions the CUDA kernels use instead of format.h's
+ * software codecs give the same bits: cvt.rn.satfinite.{e4m3,e5m2}x2.f32,
+ * the compare-count E2M1 encoder, cvt.rn.{bf16,f16}x2.f32 with canonical NaN,
+ * for ALL 2^32 F32 bit patterns (NaN excepted for the three element encoders:
+ * every kernel path that could meet a NaN writes the NaN code itself), and
+ * the decoders (every FP8 code, every E2M1 nibble, every F16 value). */
+#include <stdio.h>
+
+#include "../../backends/cuda/kernels.cuh"
+#include "gpu_test.h"
+
+enum { E4M3, E5M2, E2M1, BF16, F16, NENC };
+
+__global__ void enc_kernel(unsigned long long *bad, unsigned int *first)
+{
+    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < (1ull << 32);
+         i += (uint64_t)gridDim.x * blockDim.x) {
+        const uint32_t u = (uint32_t)i;
+        const float x = __uint_as_float(u);
+        const int nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+        /* Pair x with a neighbour so the second lane of each x2 is exercised too. */
+        const float y = __uint_as_float(u ^ 0x00400001u);
+        const int ynan = ((u ^ 0x00400001u) & 0x7FFFFFFFu) > 0x7F800000u;
+        uint32_t got[NENC], want[NENC];
+        int skip[NENC] = {nan || ynan, nan || ynan, nan, 0, 0};
+        got[E4M3] = fm_hw_e4m3x2(x, y);
+        want[E4M3] = fm_e4m3_from_f32(x) | ((uint32_t)fm_e4m3_from_f32(y) << 8);
+        got[E5M2] = fm_hw_e5m2x2(y, x);
+        want[E5M2] = fm_e5m2_from_f32(y) | ((uint32_t)fm_e5m2_from_f32(x) << 8);
+        got[E2M1] = fm_fast_e2m1(x);
+        want[E2M1] = fm_e2m1_from_f32(x);
+        got[BF16] = fm_hw_bf16x2(x, y);
+        want[BF16] = fm_bf16_from_f32(x) | ((uint32_t)fm_bf16_from_f32(y) << 16);
+        got[F16] = fm_hw_f16x2(y, x);
+        want[F16] = fm_f16_from_f32(y) | ((uint32_t)fm_f16_from_f32(x) << 16);
+        for (int k = 0; k < NENC; k++)
+            if (!skip[k] && got[k] != want[k]) {
+                if (atomicAdd(&bad[k], 1ull) == 0)
+                    first[k] = u;
+            }
+    }
+}
+
+__global__ void dec_kernel(unsigned long long *bad)
+{
+    const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= 65536)
+        return;
+    /* every F16 */
+    float a = fm_hw_f16_to_f32((uint16_t)i), b = fm_f16_to_f32((uint16_t)i);
+    if (!(a != a && b != b) && __float_as_uint(a) != __float_as_uint(b))
+        atomicAdd(&bad[0], 1ull);
+    if (i < 65536) {
+        /* every pair of FP8 codes */
+        float lo, hi;
+        fm_hw_e4m3x2_to_f32(i, &lo, &hi);
+        float wl = fm_e4m3_to_f32((uint8_t)i), wh = fm_e4m3_to_f32((uint8_t)(i >> 8));
+        if (!(lo != lo && wl != wl) && __float_as_uint(lo) != __float_as_uint(wl))
+            atomicAdd(&bad[1], 1ull);
+        if (!(hi != hi && wh != wh) && __float_as_uint(hi) != __float_as_uint(wh))
+            atomicAdd(&bad[1], 1ull);
+        fm_hw_e5m2x2_to_f32(i, &lo, &hi);
+        wl = fm_e5m2_to_f32((uint8_t)i);
+        wh = fm_e5m2_to_f32((uint8_t)(i >> 8));
+        if (!(lo != lo && wl != wl) && __float_as_uint(lo) != __float_as_uint(wl))
+            atomicAdd(&bad[2], 1ull);
+        if (!(hi != hi && wh != wh) && __float_as_uint(hi) != __float_as_uint(wh))
+            atomicAdd(&bad[2], 1ull);
+    }
+    if (i < 16 && __float_as_uint(fm_fast_e2m1_to_f32(i)) != __float_as_uint(fm_e2m1_to_f32((uint8_t)i)))
+        atomicAdd(&bad[3], 1ull);
+}
+
+int main(void)
+{
+    const char *name = "test_cuda_hw_fp8_cvt_equals_codec";
+    fm_context *ctx = gt_cuda_context(name);
+    unsigned long long *bad;
+    unsigned int *first;
+    GT_CUDA(cudaMalloc(&bad, 16 * sizeof *bad));
+    GT_CUDA(cudaMalloc(&first, 16 * sizeof *first));
+    GT_CUDA(cudaMemset(bad, 0, 16 * sizeof *bad));
+    GT_CUDA(cudaMemset(first, 0, 16 * sizeof *first));
+    enc_kernel<<<132 * 16, 256>>>(bad, first);
+    GT_CUDA(cudaGetLastError());
+    dec_kernel<<<256, 256>>>(bad + 8);
+    GT_CUDA(cudaGetLastError());
+    GT_CUDA(cudaDeviceSynchronize());
+    unsigned long long h[16];
+    unsigned int f[16];
+    GT_CUDA(cudaMemcpy(h, bad, sizeof h, cudaMemcpyDeviceToHost));
+    GT_CUDA(cudaMemcpy(f, first, sizeof f, cudaMemcpyDeviceToHost));
+    static const char *enc[NENC] = {"e4m3x2", "e5m2x2", "e2m1 (compare count)", "bf16x2", "f16x2"};
+    for (int k = 0; k < NENC; k++) {
+        GT_CHECK(h[k] == 0, "%s: %llu of 2^32 inputs differ from format.h; first 0x%08x", enc[k], h[k], f[k]);
+        printf("  encode %-22s all 2^32 F32 patterns: %llu mismatches\n", enc[k], h[k]);
+    }
+    static const char *dec[4] = {"f16 -> f32", "e4m3x2 -> f32", "e5m2x2 -> f32", "e2m1 -> f32"};
+    for (int k = 0; k < 4; k++) {
+        GT_CHECK(h[8 + k] == 0, "decode %s: %llu mismatches", dec[k], h[8 + k]);
+        printf("  decode %-22s every code: %llu mismatches\n", dec[k], h[8 + k]);
+    }
+    cudaFree(bad);
+    cudaFree(first);
+    fm_context_destroy(ctx);
+    return gt_finish(name);
+}

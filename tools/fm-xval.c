@@ -1,0 +1,746 @@
+/* fm-xval: cross-validates the CUDA backend against the CPU reference.
+ *
+ * Every op both backends implement runs over a matrix of shapes (one row,
+ * partial blocks, several experts, empty, large), dtypes, modes, layouts,
+ * rules and input kinds, on fresh random data per case, into outputs
+ * poisoned with different bytes on each side (so an element neither backend
+ * writes still shows), and the results are compared by the op's rule:
+ * bit-exact for quantize / convert ops. One line per op: passed, failed,
+ * skipped. Exit 1 on any failure, 77 when no CUDA device is usable.
+ *
+ * Registering a later op is one entry in `xv_ops` below.
+ *
+ *   fm-xval [-o OP] [-q] [-s SEED] [-v]
+ *     -o OP    run only OP (repeatable)
+ *     -q       quick: small shapes and a sample of the configurations
+ *              (what runs under compute-sanitizer)
+ *     -s SEED  random seed (default: from the clock; printed)
+ *     -v       print every case
+ */
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "flowmoe/flowmoe.h"
+
+#ifdef FM_HAVE_CUDA
+#include <cuda_runtime.h>
+
+/* ---- environment ---------------------------------------------------------- */
+
+typedef struct xv_counts {
+    long pass, fail, skip;
+} xv_counts;
+
+typedef struct xv_env {
+    fm_context *cpu, *gpu;
+    uint64_t rng;
+    int quick, verbose;
+    long printed;       /* failure reports printed so far */
+    int cuda_broken;    /* a CUDA error left the device unusable */
+} xv_env;
+
+static uint64_t rnd(xv_env *x)
+{
+    /* splitmix64 */
+    uint64_t z = (x->rng += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static double rndu(xv_env *x) { return (double)(rnd(x) >> 11) * (1.0 / 9007199254740992.0); }
+static int rndi(xv_env *x, int lo, int hi) { return lo + (int)(rnd(x) % (uint64_t)(hi - lo + 1)); }
+
+static float f32_from_bits(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static int cuda_ok(xv_env *x, cudaError_t e, const char *what)
+{
+    if (e == cudaSuccess)
+        return 1;
+    fprintf(stderr, "fm-xval: %s: %s\n", what, cudaGetErrorString(e));
+    x->cuda_broken = 1;
+    return 0;
+}
+
+/* A host buffer and its device twin, poisoned differently. */
+typedef struct xv_buf {
+    void *h, *d;
+    size_t n;
+} xv_buf;
+
+static int buf_alloc(xv_env *x, xv_buf *b, size_t n)
+{
+    b->n = n;
+    b->h = malloc(n ? n : 1);
+    b->d = NULL;
+    if (!b->h)
+        return 0;
+    return cuda_ok(x, cudaMalloc(&b->d, n ? n : 1), "cudaMalloc");
+}
+
+static void buf_free(xv_buf *b)
+{
+    free(b->h);
+    if (b->d)
+        cudaFree(b->d);
+    b->h = b->d = NULL;
+}
+
+static int buf_poison(xv_env *x, xv_buf *b)
+{
+    memset(b->h, 0x5A, b->n ? b->n : 1);
+    return cuda_ok(x, cudaMemset(b->d, 0xA5, b->n ? b->n : 1), "cudaMemset");
+}
+
+static int buf_upload(xv_env *x, xv_buf *b)
+{
+    return cuda_ok(x, cudaMemcpy(b->d, b->h, b->n, cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+}
+
+/* Compares b->h with the device copy; reports the first differing byte. */
+static int buf_same(xv_env *x, const xv_buf *b, const char *what, const char *casename)
+{
+    if (b->n == 0)
+        return 1;
+    unsigned char *g = malloc(b->n);
+    if (!g || !cuda_ok(x, cudaMemcpy(g, b->d, b->n, cudaMemcpyDeviceToHost), "cudaMemcpy D2H")) {
+        free(g);
+        return 0;
+    }
+    const unsigned char *c = b->h;
+    size_t bad = 0, first = 0;
+    for (size_t i = 0; i < b->n; i++)
+        if (c[i] != g[i]) {
+            if (!bad)
+                first = i;
+            bad++;
+        }
+    if (bad && x->printed < 20) {
+        x->printed++;
+        fprintf(stderr, "FAIL %s: %s: %zu of %zu bytes differ; first at byte %zu: cpu 0x%02x gpu 0x%02x\n", casename,
+                what, bad, b->n, first, c[first], g[first]);
+    }
+    free(g);
+    return bad == 0;
+}
+
+/* ---- input data ------------------------------------------------------------ */
+
+enum { K_RANDOM, K_ZEROS, K_SUBNORMAL, K_MAXMAG, K_NONFINITE, K_RAWBITS, K_COUNT };
+static const char *kind_name[K_COUNT] = {"random", "zeros", "subnormal", "maxmag", "nonfinite", "rawbits"};
+
+/* One value of a kind, as F32 (the row's exponent offset widens the spread
+ * between rows so per-row scales differ). */
+static float gen_value(xv_env *x, int kind, int row_off)
+{
+    double s = (rnd(x) & 1) ? -1.0 : 1.0;
+    switch (kind) {
+    case K_ZEROS: return (rnd(x) & 7) == 0 ? -0.0f : 0.0f;
+    case K_SUBNORMAL: {
+        int r = rndi(x, 0, 5);
+        if (r == 0) /* F32 subnormal */
+            return f32_from_bits((uint32_t)(rnd(x) & 0x7FFFFF) | (rnd(x) & 1 ? 0x80000000u : 0));
+        if (r == 1) /* BF16-representable subnormal-range values */
+            return (float)(s * ldexp(1.0 + rndu(x), rndi(x, -140, -126)));
+        if (r == 2) /* F16 subnormals */
+            return (float)(s * ldexp((double)rndi(x, 1, 1023), -24));
+        if (r == 3)
+            return 0.0f;
+        return (float)(s * ldexp(1.0 + rndu(x), rndi(x, -30, -10)));
+    }
+    case K_MAXMAG: {
+        static const float big[] = {3.4028235e38f, 3.0e38f, 1.7e38f, 65504.0f, 65519.0f, 65520.0f, 448.0f, 464.0f,
+                                    480.0f, 57344.0f, 61440.0f, 6.0f, 7.0f, 1e30f, 2.0e38f};
+        if (rnd(x) & 1)
+            return (float)(s * big[rnd(x) % (sizeof big / sizeof big[0])]);
+        return (float)(s * ldexp(1.0 + rndu(x), rndi(x, 100, 127)));
+    }
+    case K_NONFINITE: {
+        uint64_t r = rnd(x) % 1000;
+        if (r == 0)
+            return f32_from_bits(0x7F800000u);
+        if (r == 1)
+            return f32_from_bits(0xFF800000u);
+        if (r == 2)
+            return f32_from_bits(0x7FC00000u | (uint32_t)(rnd(x) & 0x3FFFFF) | (rnd(x) & 1 ? 0x80000000u : 0));
+        if (r == 3)
+            return f32_from_bits(0x7F800001u); /* signalling NaN */
+        return (float)(s * ldexp(1.0 + rndu(x), rndi(x, -20, 20)));
+    }
+    case K_RAWBITS: return f32_from_bits((uint32_t)rnd(x));
+    default: return (float)(s * ldexp(1.0 + rndu(x), rndi(x, -40, 40) + row_off));
+    }
+}
+
+static int dtype_bytes(fm_dtype t) { return fm_dtype_bits(t) / 8; }
+
+/* Fills a host buffer of n elements of dtype t. RAWBITS draws raw patterns of
+ * the dtype itself (NaN payloads, Inf, subnormals of that dtype). */
+static void gen_input(xv_env *x, void *h, fm_dtype t, int64_t E, int64_t rows, int64_t cols, int kind)
+{
+    int64_t n = E * rows * cols;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r = (i / (cols ? cols : 1)) % (rows ? rows : 1);
+        int row_off = (int)(r % 7) * 6 - 18;
+        if (kind == K_RAWBITS && t != FM_DTYPE_F32) {
+            ((uint16_t *)h)[i] = (uint16_t)rnd(x);
+            continue;
+        }
+        float v = gen_value(x, kind, row_off);
+        if (t == FM_DTYPE_F32)
+            ((float *)h)[i] = v;
+        else if (t == FM_DTYPE_BF16)
+            ((uint16_t *)h)[i] = fm_bf16_from_f32(v);
+        else
+            ((uint16_t *)h)[i] = fm_f16_from_f32(v);
+    }
+}
+
+/* ---- shapes ---------------------------------------------------------------- */
+
+typedef struct xv_shape {
+    int64_t E, rows, cols;
+    int ndim;
+    int large;
+} xv_shape;
+
+static const xv_shape shapes[] = {
+    {1, 1, 128, 2, 0},   {1, 1, 7, 2, 0},      {1, 2, 6, 2, 0},     {1, 3, 5, 2, 0},      {1, 32, 32, 2, 0},
+    {1, 127, 129, 2, 0}, {1, 128, 128, 2, 0},  {1, 130, 300, 2, 0}, {1, 256, 1024, 2, 0}, {1, 64, 4096, 3, 0},
+    {3, 200, 136, 3, 0}, {4, 128, 256, 3, 0},  {2, 33, 64, 3, 0},   {1, 0, 128, 2, 0},    {1, 128, 0, 2, 0},
+    {0, 16, 16, 3, 0},   {1, 1000, 520, 2, 0}, {2, 384, 2048, 3, 1}, {1, 1024, 7168, 2, 1},
+};
+#define NSHAPES (int)(sizeof shapes / sizeof shapes[0])
+
+static fm_tensor make_tensor(const xv_shape *s, void *data, fm_dtype t, fm_device dev)
+{
+    fm_tensor r = s->ndim == 3 ? fm_tensor_3d(data, t, s->E, s->rows, s->cols) : fm_tensor_2d(data, t, s->rows, s->cols);
+    r.device = dev;
+    return r;
+}
+
+static void quantized(fm_tensor *t, fm_layout lay, fm_scale_mode m, fm_scale_layout sl, void *scale)
+{
+    t->layout = lay;
+    t->scale_mode = m;
+    t->scale = scale;
+    t->scale_dtype = fm_scale_mode_dtype(m);
+    t->scale_layout = sl;
+}
+
+/* Quick mode: small shapes, and every `stride`-th configuration. */
+static int shape_skipped(const xv_env *x, const xv_shape *s)
+{
+    return x->quick && (s->large || s->E * s->rows * s->cols > 100000);
+}
+
+/* ---- configurations shared by the quantized-tensor ops ---------------------- */
+
+typedef struct xv_qcfg {
+    fm_dtype elem;
+    fm_scale_mode mode;
+    fm_scale_rule rule;
+    fm_scale_layout sl;
+} xv_qcfg;
+
+static int build_qcfgs(xv_qcfg *out)
+{
+    int n = 0;
+    static const fm_scale_mode modes[] = {FM_SCALE_TENSOR, FM_SCALE_ROW, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128,
+                                          FM_SCALE_MX32};
+    for (int mi = 0; mi < 5; mi++) {
+        fm_scale_mode m = modes[mi];
+        int mx = m == FM_SCALE_MX32;
+        int gemm_layouts = (m == FM_SCALE_TENSOR || m == FM_SCALE_ROW) ? 1 : 2;
+        for (int ei = 0; ei < (mx ? 3 : 2); ei++) {
+            fm_dtype el = ei == 0 ? FM_DTYPE_E4M3 : ei == 1 ? FM_DTYPE_E5M2 : FM_DTYPE_E2M1;
+            for (int ri = 0; ri < 3; ri++) {
+                fm_scale_rule rule = ri == 0 ? FM_SCALE_RULE_DEFAULT
+                                   : ri == 1 ? (mx ? FM_SCALE_RULE_MX_FLOOR : FM_SCALE_RULE_EXACT)
+                                             : FM_SCALE_RULE_POW2;
+                if (ri == 2 && (m == FM_SCALE_BLOCK_1x128 || m == FM_SCALE_BLOCK_128x128 || mx))
+                    continue; /* POW2 is their default */
+                for (int li = 0; li < gemm_layouts; li++)
+                    out[n++] = (xv_qcfg){el, m, rule, li ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT};
+            }
+        }
+    }
+    return n;
+}
+
+static void qcfg_name(const xv_qcfg *c, char *b, size_t n)
+{
+    static const char *rn[] = {"default", "pow2", "exact", "mx_floor"};
+    snprintf(b, n, "%s/%s/%s/%s", fm_dtype_name(c->elem), fm_scale_mode_name(c->mode), rn[c->rule],
+             fm_scale_layout_name(c->sl));
+}
+
+/* ---- op: quantize -------------------------------------------------------- */
+
+typedef struct xv_qout {
+    fm_tensor th, td;
+    xv_buf data, scale;
+} xv_qout;
+
+static int qout_setup(xv_env *x, xv_qout *o, const xv_shape *s, const xv_qcfg *c, fm_layout lay)
+{
+    memset(o, 0, sizeof *o);
+    o->th = make_tensor(s, NULL, c->elem, FM_DEVICE_HOST);
+    quantized(&o->th, lay, c->mode, c->sl, NULL);
+    int64_t nb = fm_tensor_nbytes(&o->th), ns = fm_tensor_scale_nbytes(&o->th);
+    if (nb < 0 || ns < 0)
+        return 0;
+    if (!buf_alloc(x, &o->data, (size_t)nb) || !buf_alloc(x, &o->scale, (size_t)ns))
+        return 0;
+    if (!buf_poison(x, &o->data) || !buf_poison(x, &o->scale))
+        return 0;
+    o->th.data = o->data.h;
+    o->th.scale = o->scale.h;
+    o->td = o->th;
+    o->td.device = FM_DEVICE_CUDA;
+    o->td.data = o->data.d;
+    o->td.scale = o->scale.d;
+    return 1;
+}
+
+static void qout_free(xv_qout *o)
+{
+    buf_free(&o->data);
+    buf_free(&o->scale);
+}
+
+/* 0 pass, 1 fail, 2 skip */
+static int quant_case(xv_env *x, const xv_shape *s, fm_dtype in_t, int kind, const xv_qcfg *rc, const xv_qcfg *cc,
+                      float eps, int want_amax, const char *name)
+{
+    int res = 1;
+    xv_buf in = {0}, amax = {0}, nonf = {0};
+    xv_qout orow, ocol;
+    memset(&orow, 0, sizeof orow);
+    memset(&ocol, 0, sizeof ocol);
+    int64_t n = s->E * s->rows * s->cols;
+    if (!buf_alloc(x, &in, (size_t)n * (size_t)dtype_bytes(in_t)))
+        goto done;
+    gen_input(x, in.h, in_t, s->E, s->rows, s->cols, kind);
+    if (!buf_upload(x, &in))
+        goto done;
+    if (rc && !qout_setup(x, &orow, s, rc, FM_LAYOUT_ROWWISE))
+        goto done;
+    if (cc && !qout_setup(x, &ocol, s, cc, FM_LAYOUT_COLWISE))
+        goto done;
+    if (!buf_alloc(x, &amax, 4) || !buf_alloc(x, &nonf, 8) || !buf_poison(x, &amax) || !buf_poison(x, &nonf))
+        goto done;
+
+    fm_tensor ih = make_tensor(s, in.h, in_t, FM_DEVICE_HOST), id = make_tensor(s, in.d, in_t, FM_DEVICE_CUDA);
+    fm_quant_config qh = {.rule = rc ? rc->rule : cc->rule, .epsilon = eps};
+    fm_quant_config qd = qh;
+    if (want_amax) {
+        qh.amax = amax.h;
+        qh.nonfinite_blocks = nonf.h;
+        qd.amax = amax.d;
+        qd.nonfinite_blocks = nonf.d;
+    }
+    fm_stats s0c, s0g, s1c, s1g;
+    fm_stats_get(x->cpu, &s0c);
+    fm_stats_get(x->gpu, &s0g);
+    fm_status stc = fm_quantize(x->cpu, &qh, &ih, rc ? &orow.th : NULL, cc ? &ocol.th : NULL);
+    fm_status stg = fm_quantize(x->gpu, &qd, &id, rc ? &orow.td : NULL, cc ? &ocol.td : NULL);
+    if (stg == FM_OK && !cuda_ok(x, cudaDeviceSynchronize(), "quantize"))
+        stg = FM_ERR_BACKEND;
+    if (stc != FM_OK || stg != FM_OK) {
+        if (stc == stg) {
+            res = 2;
+        } else if (x->printed++ < 20) {
+            fprintf(stderr, "FAIL %s: status cpu %s (%s) gpu %s (%s)\n", name, fm_status_name(stc),
+                    fm_last_error(x->cpu), fm_status_name(stg), fm_last_error(x->gpu));
+        }
+        goto done;
+    }
+    int ok = 1;
+    if (rc)
+        ok &= buf_same(x, &orow.data, "rowwise codes", name) & buf_same(x, &orow.scale, "rowwise scales", name);
+    if (cc)
+        ok &= buf_same(x, &ocol.data, "colwise codes", name) & buf_same(x, &ocol.scale, "colwise scales", name);
+    if (want_amax)
+        ok &= buf_same(x, &amax, "amax", name) & buf_same(x, &nonf, "nonfinite_blocks", name);
+    fm_stats_get(x->cpu, &s1c);
+    fm_stats_get(x->gpu, &s1g);
+    if (s1c.casts_to_low - s0c.casts_to_low != s1g.casts_to_low - s0g.casts_to_low ||
+        s1c.bytes_read - s0c.bytes_read != s1g.bytes_read - s0g.bytes_read ||
+        s1c.bytes_written - s0c.bytes_written != s1g.bytes_written - s0g.bytes_written) {
+        ok = 0;
+        if (x->printed++ < 20)
+            fprintf(stderr, "FAIL %s: statistics differ between the backends\n", name);
+    }
+    res = ok ? 0 : 1;
+done:
+    buf_free(&in);
+    buf_free(&amax);
+    buf_free(&nonf);
+    qout_free(&orow);
+    qout_free(&ocol);
+    return res;
+}
+
+static void tally(xv_env *x, xv_counts *c, int r, const char *name)
+{
+    if (r == 0)
+        c->pass++;
+    else if (r == 1)
+        c->fail++;
+    else
+        c->skip++;
+    if (x->verbose)
+        printf("  %s %s\n", r == 0 ? "pass" : r == 1 ? "FAIL" : "skip", name);
+}
+
+static void shape_name(const xv_shape *s, char *b, size_t n)
+{
+    if (s->ndim == 3)
+        snprintf(b, n, "[%lld,%lld,%lld]", (long long)s->E, (long long)s->rows, (long long)s->cols);
+    else
+        snprintf(b, n, "[%lld,%lld]", (long long)s->rows, (long long)s->cols);
+}
+
+static void xv_quantize(xv_env *x, xv_counts *cnt)
+{
+    xv_qcfg cf[64];
+    int ncf = build_qcfgs(cf);
+    static const fm_dtype ins[] = {FM_DTYPE_BF16, FM_DTYPE_F32, FM_DTYPE_F16};
+    long serial = 0;
+    for (int si = 0; si < NSHAPES && !x->cuda_broken; si++) {
+        const xv_shape *s = &shapes[si];
+        if (shape_skipped(x, s))
+            continue;
+        for (int ci = 0; ci < ncf && !x->cuda_broken; ci++) {
+            for (int sel = 0; sel < 4 && !x->cuda_broken; sel++) {
+                serial++;
+                /* Large shapes and quick mode take a sample of the matrix. */
+                if (s->large && serial % 6)
+                    continue;
+                if (x->quick && serial % 5)
+                    continue;
+                const xv_qcfg *rc = sel == 0 || sel == 2 || sel == 3 ? &cf[ci] : NULL;
+                const xv_qcfg *cc = sel == 1 || sel == 2 ? &cf[ci] : NULL;
+                xv_qcfg mixed;
+                if (sel == 3) {
+                    /* Row-wise and column-wise outputs with different configs,
+                     * same rule family (one rule per call). */
+                    mixed = cf[(ci * 7 + 3) % ncf];
+                    int ok_mix = (mixed.mode == FM_SCALE_MX32) == (cf[ci].mode == FM_SCALE_MX32);
+                    if (!ok_mix)
+                        continue;
+                    mixed.rule = cf[ci].rule;
+                    cc = &mixed;
+                }
+                fm_dtype in_t = ins[serial % 3];
+                int kind = (int)((serial / 3) % K_COUNT);
+                float eps = serial % 7 == 0 ? (float)ldexp(1.0, -rndi(x, 0, 20)) : 0.0f;
+                int want_amax = serial % 2 == 0 || kind == K_NONFINITE;
+                char sn[64], rn[64] = "-", cn[64] = "-", name[320];
+                shape_name(s, sn, sizeof sn);
+                if (rc)
+                    qcfg_name(rc, rn, sizeof rn);
+                if (cc)
+                    qcfg_name(cc, cn, sizeof cn);
+                snprintf(name, sizeof name, "quantize %s %s->row:%s col:%s kind=%s eps=%g", sn, fm_dtype_name(in_t),
+                         rn, cn, kind_name[kind], (double)eps);
+                tally(x, cnt, quant_case(x, s, in_t, kind, rc, cc, eps, want_amax, name), name);
+            }
+        }
+    }
+}
+
+/* ---- op: dequantize -------------------------------------------------------- */
+
+static void random_scales(xv_env *x, void *h, size_t nbytes, int e8)
+{
+    if (e8) {
+        for (size_t i = 0; i < nbytes; i++) {
+            uint64_t r = rnd(x) % 64;
+            ((uint8_t *)h)[i] = r == 0 ? 0xFF : r < 4 ? (uint8_t)rnd(x) : (uint8_t)(127 + rndi(x, -20, 20));
+        }
+        return;
+    }
+    float *f = h;
+    for (size_t i = 0; i < nbytes / 4; i++) {
+        uint64_t r = rnd(x) % 64;
+        if (r == 0)
+            f[i] = f32_from_bits(0x7FC00000u);
+        else if (r == 1)
+            f[i] = f32_from_bits(0x7F800000u);
+        else if (r < 6)
+            f[i] = f32_from_bits((uint32_t)rnd(x)); /* anything: subnormal, huge, NaN payloads */
+        else if (r < 30)
+            f[i] = (float)ldexp(1.0, rndi(x, -30, 30));
+        else
+            f[i] = (float)ldexp(1.0 + rndu(x), rndi(x, -30, 30));
+    }
+}
+
+static int dequant_case(xv_env *x, const xv_shape *s, const xv_qcfg *c, fm_layout in_lay, fm_layout out_lay,
+                        fm_dtype out_t, const char *name)
+{
+    int res = 1;
+    xv_buf codes = {0}, scale = {0}, out = {0};
+    fm_tensor ih = make_tensor(s, NULL, c->elem, FM_DEVICE_HOST);
+    quantized(&ih, in_lay, c->mode, c->sl, NULL);
+    int64_t nb = fm_tensor_nbytes(&ih), ns = fm_tensor_scale_nbytes(&ih);
+    fm_tensor oh = make_tensor(s, NULL, out_t, FM_DEVICE_HOST);
+    oh.layout = out_lay;
+    int64_t no = fm_tensor_nbytes(&oh);
+    if (nb < 0 || ns < 0 || no < 0)
+        return 2;
+    if (!buf_alloc(x, &codes, (size_t)nb) || !buf_alloc(x, &scale, (size_t)ns) || !buf_alloc(x, &out, (size_t)no))
+        goto done;
+    for (size_t i = 0; i < codes.n; i++)
+        ((uint8_t *)codes.h)[i] = (uint8_t)rnd(x);
+    random_scales(x, scale.h, scale.n, ih.scale_dtype == FM_DTYPE_E8M0);
+    if (!buf_upload(x, &codes) || !buf_upload(x, &scale) || !buf_poison(x, &out))
+        goto done;
+    ih.data = codes.h;
+    ih.scale = scale.h;
+    fm_tensor id = ih;
+    id.device = FM_DEVICE_CUDA;
+    id.data = codes.d;
+    id.scale = scale.d;
+    oh.data = out.h;
+    fm_tensor od = oh;
+    od.device = FM_DEVICE_CUDA;
+    od.data = out.d;
+    fm_status stc = fm_dequantize(x->cpu, &ih, &oh);
+    fm_status stg = fm_dequantize(x->gpu, &id, &od);
+    if (stg == FM_OK && !cuda_ok(x, cudaDeviceSynchronize(), "dequantize"))
+        stg = FM_ERR_BACKEND;
+    if (stc != FM_OK || stg != FM_OK) {
+        if (stc == stg)
+            res = 2;
+        else if (x->printed++ < 20)
+            fprintf(stderr, "FAIL %s: status cpu %s (%s) gpu %s (%s)\n", name, fm_status_name(stc),
+                    fm_last_error(x->cpu), fm_status_name(stg), fm_last_error(x->gpu));
+        goto done;
+    }
+    res = buf_same(x, &out, "output", name) ? 0 : 1;
+done:
+    buf_free(&codes);
+    buf_free(&scale);
+    buf_free(&out);
+    return res;
+}
+
+static void xv_dequantize(xv_env *x, xv_counts *cnt)
+{
+    xv_qcfg cf[64];
+    int ncf = build_qcfgs(cf);
+    static const fm_dtype outs[] = {FM_DTYPE_BF16, FM_DTYPE_F32, FM_DTYPE_F16};
+    long serial = 0;
+    for (int si = 0; si < NSHAPES && !x->cuda_broken; si++) {
+        const xv_shape *s = &shapes[si];
+        if (shape_skipped(x, s))
+            continue;
+        for (int ci = 0; ci < ncf && !x->cuda_broken; ci++) {
+            if (cf[ci].rule != FM_SCALE_RULE_DEFAULT)
+                continue; /* the rule does not matter to dequantize */
+            for (int v = 0; v < 12 && !x->cuda_broken; v++) {
+                serial++;
+                if (s->large && serial % 5)
+                    continue;
+                if (x->quick && serial % 4)
+                    continue;
+                fm_layout il = (v & 1) ? FM_LAYOUT_COLWISE : FM_LAYOUT_ROWWISE;
+                fm_layout ol = (v & 2) ? (il == FM_LAYOUT_ROWWISE ? FM_LAYOUT_COLWISE : FM_LAYOUT_ROWWISE) : il;
+                fm_dtype ot = outs[(v >> 2) % 3];
+                char sn[64], cn[64], name[256];
+                shape_name(s, sn, sizeof sn);
+                qcfg_name(&cf[ci], cn, sizeof cn);
+                snprintf(name, sizeof name, "dequantize %s %s %s -> %s %s", sn, cn, fm_layout_name(il),
+                         fm_dtype_name(ot), fm_layout_name(ol));
+                tally(x, cnt, dequant_case(x, s, &cf[ci], il, ol, ot, name), name);
+            }
+        }
+    }
+}
+
+/* ---- op: scale_layout_convert ---------------------------------------------- */
+
+static int slc_case(xv_env *x, const xv_shape *s, const xv_qcfg *c, fm_layout lay, fm_scale_layout from,
+                    fm_scale_layout to, const char *name)
+{
+    int res = 1;
+    xv_buf src = {0}, dst = {0};
+    fm_tensor sh = make_tensor(s, NULL, c->elem, FM_DEVICE_HOST);
+    quantized(&sh, lay, c->mode, from, NULL);
+    fm_tensor dh = sh;
+    dh.scale_layout = to;
+    int64_t ns = fm_tensor_scale_nbytes(&sh), nd = fm_tensor_scale_nbytes(&dh);
+    if (ns < 0 || nd < 0)
+        return 2;
+    if (!buf_alloc(x, &src, (size_t)ns) || !buf_alloc(x, &dst, (size_t)nd))
+        goto done;
+    for (size_t i = 0; i < src.n; i++)
+        ((uint8_t *)src.h)[i] = (uint8_t)rnd(x);
+    if (!buf_upload(x, &src) || !buf_poison(x, &dst))
+        goto done;
+    sh.scale = src.h;
+    dh.scale = dst.h;
+    fm_tensor sd = sh, dd = dh;
+    sd.device = dd.device = FM_DEVICE_CUDA;
+    sd.scale = src.d;
+    dd.scale = dst.d;
+    fm_status stc = fm_scale_layout_convert(x->cpu, &sh, &dh);
+    fm_status stg = fm_scale_layout_convert(x->gpu, &sd, &dd);
+    if (stg == FM_OK && !cuda_ok(x, cudaDeviceSynchronize(), "scale_layout_convert"))
+        stg = FM_ERR_BACKEND;
+    if (stc != FM_OK || stg != FM_OK) {
+        if (stc == stg)
+            res = 2;
+        else if (x->printed++ < 20)
+            fprintf(stderr, "FAIL %s: status cpu %s (%s) gpu %s (%s)\n", name, fm_status_name(stc),
+                    fm_last_error(x->cpu), fm_status_name(stg), fm_last_error(x->gpu));
+        goto done;
+    }
+    res = buf_same(x, &dst, "dst scales", name) ? 0 : 1;
+done:
+    buf_free(&src);
+    buf_free(&dst);
+    return res;
+}
+
+static void xv_scale_layout_convert(xv_env *x, xv_counts *cnt)
+{
+    xv_qcfg cf[64];
+    int ncf = build_qcfgs(cf);
+    for (int si = 0; si < NSHAPES && !x->cuda_broken; si++) {
+        const xv_shape *s = &shapes[si];
+        if (shape_skipped(x, s))
+            continue;
+        for (int ci = 0; ci < ncf && !x->cuda_broken; ci++) {
+            if (cf[ci].rule != FM_SCALE_RULE_DEFAULT || cf[ci].sl != FM_SCALE_LAYOUT_COMPACT)
+                continue;
+            for (int v = 0; v < 8; v++) {
+                fm_layout lay = (v & 1) ? FM_LAYOUT_COLWISE : FM_LAYOUT_ROWWISE;
+                fm_scale_layout from = (v & 2) ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT;
+                fm_scale_layout to = (v & 4) ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT;
+                char sn[64], cn[64], name[256];
+                shape_name(s, sn, sizeof sn);
+                qcfg_name(&cf[ci], cn, sizeof cn);
+                snprintf(name, sizeof name, "scale_layout_convert %s %s %s %s -> %s", sn, cn, fm_layout_name(lay),
+                         fm_scale_layout_name(from), fm_scale_layout_name(to));
+                tally(x, cnt, slc_case(x, s, &cf[ci], lay, from, to, name), name);
+            }
+        }
+    }
+}
+
+/* ---- the op table: a later op registers here ------------------------------- */
+
+typedef void (*xv_op_fn)(xv_env *x, xv_counts *c);
+static const struct {
+    const char *name;
+    xv_op_fn run;
+} xv_ops[] = {
+    {"quantize", xv_quantize},
+    {"dequantize", xv_dequantize},
+    {"scale_layout_convert", xv_scale_layout_convert},
+};
+#define NOPS (int)(sizeof xv_ops / sizeof xv_ops[0])
+
+static void usage(void)
+{
+    fprintf(stderr, "usage: fm-xval [-o OP]... [-q] [-s SEED] [-v]\nops:");
+    for (int i = 0; i < NOPS; i++)
+        fprintf(stderr, " %s", xv_ops[i].name);
+    fprintf(stderr, "\n");
+}
+
+int main(int argc, char **argv)
+{
+    xv_env x;
+    memset(&x, 0, sizeof x);
+    const char *only[16];
+    int nonly = 0;
+    uint64_t seed = (uint64_t)time(NULL) ^ ((uint64_t)clock() << 20);
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "-o") && i + 1 < argc && nonly < 16)
+            only[nonly++] = argv[++i];
+        else if (!strcmp(argv[i], "-q"))
+            x.quick = 1;
+        else if (!strcmp(argv[i], "-v"))
+            x.verbose = 1;
+        else if (!strcmp(argv[i], "-s") && i + 1 < argc)
+            seed = strtoull(argv[++i], NULL, 0);
+        else {
+            usage();
+            return 2;
+        }
+    }
+    for (int k = 0; k < nonly; k++) {
+        int found = 0;
+        for (int i = 0; i < NOPS; i++)
+            found |= !strcmp(only[k], xv_ops[i].name);
+        if (!found) {
+            fprintf(stderr, "fm-xval: unknown op '%s'\n", only[k]);
+            usage();
+            return 2;
+        }
+    }
+    fm_context_config cg = {.backend = FM_BACKEND_CUDA};
+    fm_status st = fm_context_create(&cg, &x.gpu);
+    if (st != FM_OK) {
+        printf("fm-xval: skipped: no usable CUDA device (%s)\n", fm_last_error(NULL));
+        return 77;
+    }
+    fm_context_config cc = {.backend = FM_BACKEND_CPU};
+    if ((st = fm_context_create(&cc, &x.cpu)) != FM_OK) {
+        fprintf(stderr, "fm-xval: CPU context: %s\n", fm_last_error(NULL));
+        return 1;
+    }
+    x.rng = seed;
+    struct cudaDeviceProp prop;
+    int dev = 0;
+    cudaGetDevice(&dev);
+    cudaGetDeviceProperties(&prop, dev);
+    printf("fm-xval: CPU reference vs CUDA on %s, seed %" PRIu64 "%s\n", prop.name, seed, x.quick ? ", quick" : "");
+    int failed = 0;
+    for (int i = 0; i < NOPS; i++) {
+        int sel = nonly == 0;
+        for (int k = 0; k < nonly; k++)
+            sel |= !strcmp(only[k], xv_ops[i].name);
+        if (!sel)
+            continue;
+        xv_counts c = {0, 0, 0};
+        clock_t t0 = clock();
+        xv_ops[i].run(&x, &c);
+        if (x.cuda_broken)
+            c.fail++;
+        printf("%-24s %6ld passed %6ld failed %6ld skipped  (%.1f s)\n", xv_ops[i].name, c.pass, c.fail, c.skip,
+               (double)(clock() - t0) / CLOCKS_PER_SEC);
+        fflush(stdout);
+        failed |= c.fail > 0;
+        if (x.cuda_broken)
+            break;
+    }
+    fm_context_destroy(x.cpu);
+    fm_context_destroy(x.gpu);
+    printf("fm-xval: %s\n", failed ? "FAILED" : "all passed");
+    return failed ? 1 : 0;
+}
+
+#else /* no CUDA in this build */
+
+int main(void)
+{
+    printf("fm-xval: skipped: this flowmoe was built without the CUDA backend, so there is nothing to cross-validate\n");
+    return 77;
+}
+
+#endif
