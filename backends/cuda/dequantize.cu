@@ -2,10 +2,8 @@
  * (RNE, canonical NaN), bit-exact with backends/cpu/dequantize.c.
  *
  * Same layout in and out, with rows that split into whole 16-byte code
- * groups: a streaming kernel, one 16-byte load of codes per thread (16 FP8 or
- * 32 E2M1 elements, which never straddle a scale block: blocks are 32, 128 or
- * whole rows long and start at multiples of 32), one scale load, 16-byte
- * stores. Everything else (a layout change, odd shapes, unaligned buffers):
+ * groups: a streaming kernel in which each warp-wide store writes 512
+ * contiguous bytes (dequant_stream_kernel). Everything else (a layout change, odd shapes, unaligned buffers):
  * 64 x 64 tiles through shared memory, transposed on the way when the
  * layouts differ. */
 #include <stdint.h>
@@ -21,8 +19,8 @@ typedef struct dqparams {
     int mode, layout, e8;
     int64_t E, R, C;       /* stored input matrix */
     int64_t per;           /* scale entries per expert */
-    int64_t ngroups;       /* streaming: groups in all */
-    fm_fastdiv gpr;        /* streaming: groups per stored row */
+    int64_t ngroups;       /* streaming: units (one 16-byte output store each) in all */
+    fm_fastdiv gpr;        /* streaming: units per stored row */
     fm_fastdiv rdiv;       /* streaming: R */
     int64_t ntr, ntc, ntiles;
     int vec_in, vec_out;
@@ -68,39 +66,98 @@ static __device__ __forceinline__ void pack_out(const float *y, uint32_t *o, int
     }
 }
 
+/* Four E2M1 codes (the low 16 bits of w) -> four exact BF16 values, as two
+ * BF16 pairs: the magnitude's low and high BF16 bytes come from two 8-entry
+ * byte tables (PRMT), the sign bit is moved into place. */
+static __device__ __forceinline__ void e2m1x4_to_bf16(uint32_t w, uint32_t *o0, uint32_t *o1)
+{
+    const uint32_t sel = w & 0x7777u;
+    const uint32_t lo = __byte_perm(0xC0800000u, 0xC0804000u, sel); /* 0, .5, 1, 1.5 | 2, 3, 4, 6 */
+    const uint32_t hi = __byte_perm(0x3F3F3F00u, 0x40404040u, sel);
+    *o0 = __byte_perm(lo, hi, 0x5140) | ((w << 12) & 0x8000u) | ((w << 24) & 0x80000000u);
+    *o1 = __byte_perm(lo, hi, 0x7362) | ((w << 4) & 0x8000u) | ((w << 16) & 0x80000000u);
+}
+
+static __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b)
+{
+    uint32_t d;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+/* Streaming: the unit of work is the codes of one 16-byte output store (8
+ * elements for BF16 / F16, 4 for F32), and lane l of a warp takes units
+ * base + 32 i + l, so every warp-wide store writes 512 contiguous bytes and
+ * every load reads a contiguous 64-256 bytes. A unit never straddles a scale
+ * block (blocks are 32, 128 or whole rows long and start at multiples of 32).
+ * UNR units per lane are loaded before any is decoded, to keep enough loads
+ * in flight. */
 template <int ELEM, int OUT>
 __global__ void __launch_bounds__(256) dequant_stream_kernel(const dqparams p)
 {
-    constexpr int G = ELEM == FM_DTYPE_E2M1 ? 32 : 16;   /* elements per 16-byte group */
     constexpr int OB = OUT == FM_DTYPE_F32 ? 4 : 2;
-    for (int64_t g = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; g < p.ngroups;
-         g += (int64_t)gridDim.x * blockDim.x) {
-        const uint4 raw = __ldcs((const uint4 *)(p.in + g * 16));
-        const uint32_t row = fm_fastdiv_div(p.gpr, (uint32_t)g);   /* e * R + r */
-        const uint32_t e = fm_fastdiv_div(p.rdiv, row);
-        const int64_t r = row - (int64_t)e * p.R, c = ((int64_t)g - (int64_t)row * p.gpr.d) * G;
-        const float s = load_scale(p, e, r, c);
-        float y[G];
-        const uint32_t wd[4] = {raw.x, raw.y, raw.z, raw.w};
-        if (ELEM == FM_DTYPE_E2M1) {
+    constexpr int EPU = 16 / OB;                               /* elements per unit */
+    constexpr int U = ELEM == FM_DTYPE_E2M1 ? EPU / 2 : EPU;   /* code bytes per unit: 2, 4 or 8 */
+    constexpr int UNR = 4;
+    const int lane = threadIdx.x & 31;
+    const int64_t warp = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5;
+    const int64_t nwarps = ((int64_t)gridDim.x * blockDim.x) >> 5;
+    for (int64_t base = warp * 32 * UNR; base < p.ngroups; base += nwarps * 32 * UNR) {
+        uint2 raw[UNR];
 #pragma unroll
-            for (int i = 0; i < 32; i++)
-                y[i] = fm_fast_e2m1_to_f32((wd[i >> 3] >> (4 * (i & 7))) & 0xFu) * s;
-        } else {
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                decode4<ELEM>(wd[q], &y[4 * q]);
-#pragma unroll
-                for (int i = 0; i < 4; i++)
-                    y[4 * q + i] *= s;
+        for (int i = 0; i < UNR; i++) {
+            const int64_t g = base + i * 32 + lane;
+            raw[i] = make_uint2(0, 0);
+            if (g < p.ngroups) {
+                if (U == 8)
+                    raw[i] = __ldcs((const uint2 *)(p.in + g * 8));
+                else if (U == 4)
+                    raw[i].x = __ldcs((const unsigned int *)(p.in + g * 4));
+                else
+                    raw[i].x = __ldcs((const unsigned short *)(p.in + g * 2));
             }
         }
-        uint32_t o[G * OB / 4];
-        pack_out<OUT>(y, o, G);
-        uint4 *dst = (uint4 *)((uint8_t *)p.out + g * (G * OB));
 #pragma unroll
-        for (int i = 0; i < G * OB / 16; i++)
-            __stcs(dst + i, make_uint4(o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]));
+        for (int i = 0; i < UNR; i++) {
+            const int64_t g = base + i * 32 + lane;
+            if (g >= p.ngroups)
+                break;
+            const uint32_t row = fm_fastdiv_div(p.gpr, (uint32_t)g); /* e * R + r */
+            const uint32_t e = fm_fastdiv_div(p.rdiv, row);
+            const int64_t r = row - (int64_t)e * p.R, c = ((int64_t)g - (int64_t)row * p.gpr.d) * EPU;
+            const float s = load_scale(p, e, r, c);
+            /* E2M1 -> BF16 with a power-of-two scale of moderate size: the
+             * product of a 2-bit-significand value and the scale is exact in
+             * BF16, so one BF16 multiply gives the bits the F32 path rounds
+             * to. Tiny or huge scales (subnormal or overflowing products) and
+             * NaN take the F32 path. */
+            if (ELEM == FM_DTYPE_E2M1 && OUT == FM_DTYPE_BF16 && s >= 0x1p-100f && s <= 0x1p100f) {
+                const uint32_t s2 = (__float_as_uint(s) >> 16) * 0x10001u;
+                uint32_t o[4];
+                e2m1x4_to_bf16(raw[i].x, &o[0], &o[1]);
+                e2m1x4_to_bf16(raw[i].x >> 16, &o[2], &o[3]);
+                __stcs((uint4 *)((uint8_t *)p.out + g * 16),
+                       make_uint4(bf16x2_mul(o[0], s2), bf16x2_mul(o[1], s2), bf16x2_mul(o[2], s2),
+                                  bf16x2_mul(o[3], s2)));
+                continue;
+            }
+            float y[EPU];
+            if (ELEM == FM_DTYPE_E2M1) {
+#pragma unroll
+                for (int k = 0; k < EPU; k++)
+                    y[k] = fm_fast_e2m1_to_f32((raw[i].x >> (4 * k)) & 0xFu) * s;
+            } else {
+                decode4<ELEM>(raw[i].x, &y[0]);
+                if (EPU == 8)
+                    decode4<ELEM>(raw[i].y, &y[4]);
+#pragma unroll
+                for (int k = 0; k < EPU; k++)
+                    y[k] *= s;
+            }
+            uint32_t o[4];
+            pack_out<OUT>(y, o, EPU);
+            __stcs((uint4 *)((uint8_t *)p.out + g * 16), make_uint4(o[0], o[1], o[2], o[3]));
+        }
     }
 }
 
@@ -215,7 +272,7 @@ template <int ELEM, int OUT>
 static void launch(const dqparams &p, int stream_path, int tr, cudaStream_t s)
 {
     if (stream_path) {
-        int64_t blocks = fm_cdiv(p.ngroups, 256);
+        int64_t blocks = fm_cdiv(p.ngroups, 256 * 4);
         dequant_stream_kernel<ELEM, OUT><<<(unsigned)(blocks < (1 << 30) ? blocks : (1 << 30)), 256, 0, s>>>(p);
         return;
     }
@@ -267,12 +324,13 @@ extern "C" fm_status fm_cuda_dequantize(fm_context *ctx, const fm_tensor *in, fm
 
     int stream_path = !tr && p.C % G == 0 && (uintptr_t)in->data % 16 == 0 && (uintptr_t)out->data % 16 == 0;
     if (stream_path) {
-        p.ngroups = numel / G;
+        const int epu = 16 / ob; /* elements per 16-byte output store */
+        p.ngroups = numel / epu;
         /* The fast divisions are 32-bit. */
-        if (p.ngroups >= ((int64_t)1 << 31) || p.C / G >= ((int64_t)1 << 31) || p.E * p.R >= ((int64_t)1 << 31))
+        if (p.ngroups >= ((int64_t)1 << 31) || p.C / epu >= ((int64_t)1 << 31) || p.E * p.R >= ((int64_t)1 << 31))
             stream_path = 0;
         else {
-            p.gpr = fm_fastdiv_make((uint32_t)(p.C / G));
+            p.gpr = fm_fastdiv_make((uint32_t)(p.C / epu));
             p.rdiv = fm_fastdiv_make((uint32_t)p.R);
         }
     }
@@ -281,7 +339,6 @@ extern "C" fm_status fm_cuda_dequantize(fm_context *ctx, const fm_tensor *in, fm
     p.ntiles = p.E * p.ntr * p.ntc;
     p.vec_in = (fp4 ? p.C % 16 == 0 && (uintptr_t)in->data % 8 == 0 : p.C % 16 == 0 && (uintptr_t)in->data % 16 == 0);
     p.vec_out = OC % 8 == 0 && (uintptr_t)out->data % 16 == 0;
-    (void)ob;
 
     if (in->dtype == FM_DTYPE_E4M3)
         launch_out<FM_DTYPE_E4M3>(p, out->dtype, stream_path, tr, s);

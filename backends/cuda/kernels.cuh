@@ -32,14 +32,15 @@ FM_DI uint32_t fm_hw_e5m2x2(float lo, float hi)
  * full-rate instructions. |y| >= 1: drop 22 of the fraction bits of |y| / 2^-1
  * rebiased so the exponent field counts E2M1 exponents, ties to even, clamp
  * to 7 (satfinite; Inf too). |y| < 1: the code is RNE(2|y|), an integer in
- * [0, 2], found by adding 2^23 (the F32 add rounds to nearest even). */
+ * [0, 2], found by adding 2^23 (one FMA: 2|y| is exact, so the one rounding
+ * is the RNE of the sum). */
 FM_DI uint32_t fm_fast_e2m1(float y)
 {
     const uint32_t u = __float_as_uint(y), ab = u & 0x7FFFFFFFu;
     const uint32_t t = ab - 0x3F000000u;
     uint32_t hi = (t + 0x1FFFFFu + ((t >> 22) & 1u)) >> 22;
     hi = hi < 7u ? hi : 7u;
-    const uint32_t lo = __float_as_uint(__fadd_rn(__fmul_rn(__uint_as_float(ab), 2.0f), 8388608.0f)) - 0x4B000000u;
+    const uint32_t lo = __float_as_uint(__fmaf_rn(__uint_as_float(ab), 2.0f, 8388608.0f)) - 0x4B000000u;
     return (ab >= 0x3F800000u ? hi : lo) | ((u >> 28) & 8u);
 }
 

@@ -24,6 +24,11 @@
 
 #define QT 128
 #define QTHREADS 256
+/* CTAs per SM the tile kernel's registers are capped for (an experiment knob:
+ * -DFM_QUANT_MIN_BLOCKS=3 trades spills for occupancy). */
+#ifndef FM_QUANT_MIN_BLOCKS
+#define FM_QUANT_MIN_BLOCKS 2
+#endif
 
 typedef struct qout {
     uint8_t *data;
@@ -140,7 +145,7 @@ static __device__ __forceinline__ void count_bad(const qparams &p, uint32_t abit
 static __device__ __forceinline__ int pcol(int c) { return (c & 7) * 16 + (c >> 3); }
 
 template <int IN, int RE, int CE>
-__global__ void __launch_bounds__(QTHREADS, 2) quant_tile_kernel(const qparams p)
+__global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS) quant_tile_kernel(const qparams p)
 {
     __shared__ uint32_t red[8][128];
     __shared__ float cmul[4][128];

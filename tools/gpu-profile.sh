@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Nsight Compute over chosen fm-bench cases, on a machine with a CUDA device:
+# builds fm-bench (CUDA enabled) and profiles one launch of the named kernel
+# in each case, with the sections that say where a memory-bound kernel loses
+# time (speed of light, occupancy, scheduler and warp-state statistics,
+# memory workload). Reports go to $OUT/ncu-N.txt.
+#
+#   OUT=/dir tools/gpu-profile.sh 'KERNEL_REGEX|fm-bench filter' ...
+#   e.g. tools/gpu-profile.sh 'quant_tile_kernel|BF16->E4M3 1x128 row+col'
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-profile-out}
+mkdir -p "$OUT"
+export PATH=/usr/local/cuda/bin:$PATH
+B=build-gpu
+if [ ! -f "$B/build.ninja" ]; then
+    meson setup "$B" -Dcuda=enabled -Doracle_tests=false -Dbuildtype=debugoptimized >"$OUT/build.log" 2>&1 || exit 1
+fi
+ninja -C "$B" tools/fm-bench >>"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+n=0
+for spec in "$@"; do
+    n=$((n + 1))
+    k=${spec%%|*} f=${spec#*|}
+    echo "== $k in '$f'" | tee "$OUT/ncu-$n.txt"
+    timeout 240 "$NCU" --clock-control none -k "regex:$k" --launch-skip 3 --launch-count 1 \
+        --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
+        --section MemoryWorkloadAnalysis --section LaunchStats \
+        "$B/tools/fm-bench" --reps 5 --filter "$f" >>"$OUT/ncu-$n.txt" 2>&1
+    grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible|Stall|Warp Cycles Per Issued|One or More Eligible|Block Limit" "$OUT/ncu-$n.txt" | head -40
+done
