@@ -144,7 +144,8 @@ static void check_equals_requantize(fm_context *ctx, int E, int R, int C, int ki
     fm_status st = fm_quantize(ctx, NULL, &xin, &q.t, NULL);
     CHECK(st == FM_OK, "quantize: %s", fm_last_error(ctx));
     /* the dequantized input, exact in F32 */
-    float *d = malloc(((size_t)E * R * C ? (size_t)E * R * C : 1) * sizeof(float));
+    size_t n = (size_t)E * R * C;
+    float *d = malloc((n ? n : 1) * sizeof(float));
     fm_tensor dt = E > 1 ? fm_tensor_3d(d, FM_DTYPE_F32, E, R, C) : fm_tensor_2d(d, FM_DTYPE_F32, R, C);
     st = fm_dequantize(ctx, &q.t, &dt);
     CHECK(st == FM_OK, "dequantize: %s", fm_last_error(ctx));

@@ -44,6 +44,37 @@ FM_DI uint32_t fm_fast_e2m1(float y)
     return (ab >= 0x3F800000u ? hi : lo) | ((u >> 28) & 8u);
 }
 
+/* |y| rounded to the E2M1 grid (satfinite, RNE), times 2^-6, with y's sign:
+ * adding and subtracting a power of two whose ulp is the grid step of |y|'s
+ * binade (0.5 below 2, then 1, then 2) rounds to nearest even in one F32 add.
+ * The 2^-6 puts E2M1's smallest normal on E4M3's, so the result is exact in
+ * E4M3 and its E4M3 code holds the E2M1 code in bits 2-4 (and the sign in 7). */
+FM_DI float fm_e2m1_grid_e4m3(float y)
+{
+    const float a = fminf(fabsf(y) * 0x1p-6f, 0x1.8p-4f); /* 6 * 2^-6; NaN and Inf give 6 */
+    uint32_t e = (__float_as_uint(a) & 0x7F800000u) + (22u << 23);
+    e = e > 0x3C800000u + (22u << 23) ? e : 0x3C800000u + (22u << 23);
+    const float m = __uint_as_float(e);
+    const float r = __fsub_rn(__fadd_rn(a, m), m);
+    return __uint_as_float(__float_as_uint(r) | (__float_as_uint(y) & 0x80000000u));
+}
+
+/* Eight F32 -> eight E2M1 codes, element i in bits 4i..4i+3: the bits of
+ * fm_fast_e2m1 (NaN aside), with one cvt per two elements. */
+FM_DI uint32_t fm_fast_e2m1x8(const float *y)
+{
+    float g[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+        g[i] = fm_e2m1_grid_e4m3(y[i]);
+    /* even elements in one word, odd in the other: byte i holds element 2i (2i+1) */
+    const uint32_t we = fm_hw_e4m3x2(g[0], g[2]) | (fm_hw_e4m3x2(g[4], g[6]) << 16);
+    const uint32_t wo = fm_hw_e4m3x2(g[1], g[3]) | (fm_hw_e4m3x2(g[5], g[7]) << 16);
+    const uint32_t ne = ((we >> 2) & 0x07070707u) | ((we >> 4) & 0x08080808u);
+    const uint32_t no = ((wo >> 2) & 0x07070707u) | ((wo >> 4) & 0x08080808u);
+    return ne | (no << 4);
+}
+
 /* Two F32 -> BF16 / F16 (RNE, F16 overflows to Inf) through the hardware
  * cvt, NaN made canonical as format.h requires; low half = lo. */
 FM_DI uint32_t fm_hw_bf16x2(float lo, float hi)
@@ -113,11 +144,7 @@ FM_DI uint2 fm_encode8(const float *y)
         r.x = fm_hw_e5m2x2(y[0], y[1]) | (fm_hw_e5m2x2(y[2], y[3]) << 16);
         r.y = fm_hw_e5m2x2(y[4], y[5]) | (fm_hw_e5m2x2(y[6], y[7]) << 16);
     } else {
-        uint32_t x = 0;
-#pragma unroll
-        for (int i = 0; i < 8; i++)
-            x |= fm_fast_e2m1(y[i]) << (4 * i);
-        r.x = x;
+        r.x = fm_fast_e2m1x8(y);
         r.y = 0;
     }
     return r;

@@ -1,6 +1,6 @@
 /* The hardware conversions the CUDA kernels use instead of format.h's
  * software codecs give the same bits: cvt.rn.satfinite.{e4m3,e5m2}x2.f32,
- * the compare-count E2M1 encoder, cvt.rn.{bf16,f16}x2.f32 with canonical NaN,
+ * the integer E2M1 encoder and the eight-wide one built on cvt e4m3x2, cvt.rn.{bf16,f16}x2.f32 with canonical NaN,
  * for ALL 2^32 F32 bit patterns (NaN excepted for the three element encoders:
  * every kernel path that could meet a NaN writes the NaN code itself), and
  * the decoders (every FP8 code, every E2M1 nibble, every F16 value). */
@@ -9,7 +9,7 @@
 #include "../../backends/cuda/kernels.cuh"
 #include "gpu_test.h"
 
-enum { E4M3, E5M2, E2M1, BF16, F16, NENC };
+enum { E4M3, E5M2, E2M1, BF16, F16, E2M1X8, NENC };
 
 __global__ void enc_kernel(unsigned long long *bad, unsigned int *first)
 {
@@ -22,7 +22,7 @@ __global__ void enc_kernel(unsigned long long *bad, unsigned int *first)
         const float y = __uint_as_float(u ^ 0x00400001u);
         const int ynan = ((u ^ 0x00400001u) & 0x7FFFFFFFu) > 0x7F800000u;
         uint32_t got[NENC], want[NENC];
-        int skip[NENC] = {nan || ynan, nan || ynan, nan, 0, 0};
+        int skip[NENC] = {nan || ynan, nan || ynan, nan, 0, 0, 0};
         got[E4M3] = fm_hw_e4m3x2(x, y);
         want[E4M3] = fm_e4m3_from_f32(x) | ((uint32_t)fm_e4m3_from_f32(y) << 8);
         got[E5M2] = fm_hw_e5m2x2(y, x);
@@ -33,6 +33,25 @@ __global__ void enc_kernel(unsigned long long *bad, unsigned int *first)
         want[BF16] = fm_bf16_from_f32(x) | ((uint32_t)fm_bf16_from_f32(y) << 16);
         got[F16] = fm_hw_f16x2(y, x);
         want[F16] = fm_f16_from_f32(y) | ((uint32_t)fm_f16_from_f32(x) << 16);
+        /* The eight-wide E2M1 encoder: u lands in every position j through
+         * u ^ K_j (K_0 = 0), so every pattern is tried in every position. */
+        {
+            const uint32_t K[8] = {0u, 0x80000000u, 0x00400001u, 0x00800000u,
+                                   0x01000000u, 0x80400000u, 0x00000003u, 0x40000000u};
+            float v8[8];
+            uint32_t mask = 0;
+            want[E2M1X8] = 0;
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const uint32_t uj = u ^ K[j];
+                v8[j] = __uint_as_float(uj);
+                if ((uj & 0x7FFFFFFFu) <= 0x7F800000u) {
+                    mask |= 0xFu << (4 * j);
+                    want[E2M1X8] |= (uint32_t)fm_e2m1_from_f32(v8[j]) << (4 * j);
+                }
+            }
+            got[E2M1X8] = fm_fast_e2m1x8(v8) & mask;
+        }
         for (int k = 0; k < NENC; k++)
             if (!skip[k] && got[k] != want[k]) {
                 if (atomicAdd(&bad[k], 1ull) == 0)
@@ -90,7 +109,7 @@ int main(void)
     unsigned int f[16];
     GT_CUDA(cudaMemcpy(h, bad, sizeof h, cudaMemcpyDeviceToHost));
     GT_CUDA(cudaMemcpy(f, first, sizeof f, cudaMemcpyDeviceToHost));
-    static const char *enc[NENC] = {"e4m3x2", "e5m2x2", "e2m1 (compare count)", "bf16x2", "f16x2"};
+    static const char *enc[NENC] = {"e4m3x2", "e5m2x2", "e2m1", "bf16x2", "f16x2", "e2m1x8 (grid + cvt)"};
     for (int k = 0; k < NENC; k++) {
         GT_CHECK(h[k] == 0, "%s: %llu of 2^32 inputs differ from format.h; first 0x%08x", enc[k], h[k], f[k]);
         printf("  encode %-22s all 2^32 F32 patterns: %llu mismatches\n", enc[k], h[k]);
