@@ -81,10 +81,10 @@ step "fm-bench --json" 120 "$OUT/bench.json" "$B/tools/fm-bench" --json
         echo "== $f: instruction counts over all kernels (sm_90a)"
         cuobjdump -sass -arch sm_90a "$o" 2>/dev/null | grep -oE "(LDG|STG|LDS|STS|LDL|STL)(\.[A-Z0-9_]+)*" | sort | uniq -c
     done
-    echo "== quant_tile_kernel<BF16, E4M3, E4M3> (the target case)"
-    cuobjdump -sass -arch sm_90a -fun '_Z17quant_tile_kernelILi1ELi3ELi3EEv7qparams' "$obj" 2>/dev/null |
+    echo "== quant_tile_kernel<BF16, E4M3, E4M3, 1x128> (the target case)"
+    cuobjdump -sass -arch sm_90a -fun '_Z17quant_tile_kernelILi1ELi3ELi3ELi3EEv7qparams' "$obj" 2>/dev/null |
         grep -oE "(LDG|STG|LDS|STS|LDL|STL|F2FP|SHFL|BAR)(\.[A-Z0-9_]+)*" | sort | uniq -c
-    cuobjdump -res-usage "$obj" 2>/dev/null | grep -A1 "quant_tile_kernelILi1ELi3ELi3E" | head -4
+    cuobjdump -res-usage "$obj" 2>/dev/null | grep -A1 "quant_tile_kernelILi1ELi3ELi3ELi3E" | head -4
 } >"$OUT/sass.txt" 2>&1
 
 # ---- compute-sanitizer --------------------------------------------------------

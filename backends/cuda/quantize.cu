@@ -144,7 +144,11 @@ static __device__ __forceinline__ void count_bad(const qparams &p, uint32_t abit
  * store hold columns cv*8 + j for one j, which then fall in 16 banks. */
 static __device__ __forceinline__ int pcol(int c) { return (c & 7) * 16 + (c >> 3); }
 
-template <int IN, int RE, int CE>
+/* MODE: 0 reads each output's scaling mode at run time; FM_SCALE_BLOCK_1x128 or
+ * FM_SCALE_MX32 promises that every output present has that mode, so the
+ * compiler drops the other modes' code and the predicates it keeps live (the
+ * BF16 activation paths get these). */
+template <int IN, int RE, int CE, int MODE>
 __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS) quant_tile_kernel(const qparams p)
 {
     __shared__ uint32_t red[8][128];
@@ -159,8 +163,9 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS) quant_tile_kern
     const int tid = threadIdx.x, w = tid >> 5, l = tid & 31, hr = l >> 4, cv = l & 15;
     const qout &orow = p.o[0];
     const qout &ocol = p.o[1];
-    const bool need_tmax = p.amax || (RE && orow.mode == FM_SCALE_BLOCK_128x128) ||
-                           (CE && ocol.mode == FM_SCALE_BLOCK_128x128);
+    const int rmode = MODE ? MODE : orow.mode, cmode = MODE ? MODE : ocol.mode;
+    const bool need_tmax = p.amax || (RE && rmode == FM_SCALE_BLOCK_128x128) ||
+                           (CE && cmode == FM_SCALE_BLOCK_128x128);
 
     for (int64_t t = blockIdx.x; t < p.ntiles; t += gridDim.x) {
         const int64_t tc = t % p.ntc, tq = t / p.ntc, tr = tq % p.ntr, e = tq / p.ntr;
@@ -195,7 +200,7 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS) quant_tile_kern
         /* ---- row-wise output: stored [rows, cols] ---- */
         if (RE) {
             float mult[8];
-            const int mode = orow.mode;
+            const int mode = rmode;
             if (mode == FM_SCALE_BLOCK_1x128 || mode == FM_SCALE_MX32) {
                 uint32_t rm[8];
 #pragma unroll
@@ -312,7 +317,7 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS) quant_tile_kern
         /* ---- column-wise output: stored [cols, rows], blocks along rows ---- */
         if (CE) {
             float cm[8];
-            const int mode = ocol.mode;
+            const int mode = cmode;
             if (mode == FM_SCALE_BLOCK_1x128 || mode == FM_SCALE_MX32) {
 #pragma unroll
                 for (int j = 0; j < 8; j++) {
@@ -573,20 +578,35 @@ __global__ void quant_aux_kernel(const auxparams a)
 
 /* ---- host side ------------------------------------------------------------ */
 
-template <int IN>
+template <int IN, int MODE>
 static void launch_tile(const qparams &p, int re, int ce, unsigned grid, cudaStream_t st)
 {
 #define FM_Q_CASE(R_, C_)                                                          \
     if (re == R_ && ce == C_) {                                                    \
-        quant_tile_kernel<IN, R_, C_><<<grid, QTHREADS, 0, st>>>(p);               \
+        quant_tile_kernel<IN, R_, C_, MODE><<<grid, QTHREADS, 0, st>>>(p);         \
         return;                                                                    \
     }
 #define FM_Q_ROW(R_)                                                               \
-    FM_Q_CASE(R_, 0) FM_Q_CASE(R_, FM_DTYPE_E4M3) FM_Q_CASE(R_, FM_DTYPE_E5M2) FM_Q_CASE(R_, FM_DTYPE_E2M1)
-    FM_Q_CASE(0, FM_DTYPE_E4M3) FM_Q_CASE(0, FM_DTYPE_E5M2) FM_Q_CASE(0, FM_DTYPE_E2M1)
-    FM_Q_ROW(FM_DTYPE_E4M3) FM_Q_ROW(FM_DTYPE_E5M2) FM_Q_ROW(FM_DTYPE_E2M1)
+    FM_Q_CASE(R_, 0) FM_Q_CASE(R_, FM_DTYPE_E4M3) FM_Q_CASE(R_, FM_DTYPE_E5M2)
+    FM_Q_CASE(0, FM_DTYPE_E4M3) FM_Q_CASE(0, FM_DTYPE_E5M2)
+    FM_Q_ROW(FM_DTYPE_E4M3) FM_Q_ROW(FM_DTYPE_E5M2)
+    if (MODE != FM_SCALE_BLOCK_1x128) { /* E2M1 exists with MX32 only */
+        FM_Q_CASE(0, FM_DTYPE_E2M1) FM_Q_CASE(FM_DTYPE_E2M1, 0) FM_Q_CASE(FM_DTYPE_E2M1, FM_DTYPE_E2M1)
+        FM_Q_CASE(FM_DTYPE_E4M3, FM_DTYPE_E2M1) FM_Q_CASE(FM_DTYPE_E5M2, FM_DTYPE_E2M1)
+        FM_Q_CASE(FM_DTYPE_E2M1, FM_DTYPE_E4M3) FM_Q_CASE(FM_DTYPE_E2M1, FM_DTYPE_E5M2)
+    }
 #undef FM_Q_ROW
 #undef FM_Q_CASE
+}
+
+/* The scaling mode every present output shares, when it is one the tile
+ * kernel is specialised for; else 0. */
+static int shared_block_mode(const fm_tensor *a, const fm_tensor *b)
+{
+    const fm_tensor *t = a ? a : b;
+    if (!t || (a && b && a->scale_mode != b->scale_mode))
+        return 0;
+    return t->scale_mode == FM_SCALE_BLOCK_1x128 || t->scale_mode == FM_SCALE_MX32 ? t->scale_mode : 0;
 }
 
 static void setup_out(qout *o, const fm_tensor *t, const fm_quant_config *cfg, int colwise, int64_t rows,
@@ -746,12 +766,17 @@ extern "C" fm_status fm_cuda_quantize(fm_context *ctx, const fm_quant_config *cf
     if (p.ntiles) {
         const int re = out_row ? out_row->dtype : 0, ce = out_col ? out_col->dtype : 0;
         unsigned g = grid_for(p.ntiles, (int64_t)1 << 30);
+        const int hint = shared_block_mode(out_row, out_col);
         if (in->dtype == FM_DTYPE_F32)
-            launch_tile<FM_DTYPE_F32>(p, re, ce, g, s);
+            launch_tile<FM_DTYPE_F32, 0>(p, re, ce, g, s);
+        else if (in->dtype == FM_DTYPE_BF16 && hint == FM_SCALE_BLOCK_1x128)
+            launch_tile<FM_DTYPE_BF16, FM_SCALE_BLOCK_1x128>(p, re, ce, g, s);
+        else if (in->dtype == FM_DTYPE_BF16 && hint == FM_SCALE_MX32)
+            launch_tile<FM_DTYPE_BF16, FM_SCALE_MX32>(p, re, ce, g, s);
         else if (in->dtype == FM_DTYPE_BF16)
-            launch_tile<FM_DTYPE_BF16>(p, re, ce, g, s);
+            launch_tile<FM_DTYPE_BF16, 0>(p, re, ce, g, s);
         else
-            launch_tile<FM_DTYPE_F16>(p, re, ce, g, s);
+            launch_tile<FM_DTYPE_F16, 0>(p, re, ce, g, s);
         err = cudaGetLastError();
     }
 out:
