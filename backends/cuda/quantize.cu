@@ -24,11 +24,14 @@
 
 #define QT 128
 #define QTHREADS 256
-/* CTAs per SM the tile kernel's registers are capped for (an experiment knob:
- * -DFM_QUANT_MIN_BLOCKS=3 trades spills for occupancy). */
-#ifndef FM_QUANT_MIN_BLOCKS
-#define FM_QUANT_MIN_BLOCKS 2
+/* CTAs per SM the tile kernel's registers are capped for. A BF16 tile stays
+ * packed and fits 64 registers without spilling, so four CTAs share an SM;
+ * F32 and F16 tiles need about 108. -DFM_QUANT_MIN_BLOCKS_BF16=N overrides
+ * the BF16 figure for experiments (ptxas -v reports the spills). */
+#ifndef FM_QUANT_MIN_BLOCKS_BF16
+#define FM_QUANT_MIN_BLOCKS_BF16 4
 #endif
+#define FM_QUANT_MIN_BLOCKS(IN) ((IN) == FM_DTYPE_BF16 ? FM_QUANT_MIN_BLOCKS_BF16 : 2)
 
 typedef struct qout {
     uint8_t *data;
@@ -54,11 +57,16 @@ typedef struct qparams {
     qout o[2];                        /* [0] row-wise, [1] column-wise */
 } qparams;
 
-/* Element (rr, cc) of the thread's sub-tile: rows w*16 + hr*8 + k, columns
- * cv*8 + j of the tile. A warp's load covers two whole 256-byte rows. */
+/* The thread's 8 x 8 sub-tile: rows w*16 + hr*8 + k, columns cv*8 + j of the
+ * tile; a warp's load covers two whole rows of the tile. It is held as
+ * 32-bit words t[k][.]: F32 and F16 inputs as the F32 bits of each element
+ * (t[k][j]), BF16 still packed, elements 2q and 2q+1 in t[k][q] (low half
+ * first), which halves the registers the tile needs; BF16 maxima are then
+ * taken two at a time on the 16-bit halves (|x| bits order like |x|, NaN
+ * above Inf above every finite value, as for F32). */
 template <int IN>
 static __device__ __forceinline__ void load_tile(const qparams &p, int64_t e, int64_t r0, int64_t c0, bool vec,
-                                                 float v[8][8])
+                                                 uint32_t t[8][8])
 {
     const int w = threadIdx.x >> 5, l = threadIdx.x & 31, hr = l >> 4, cv = l & 15;
     const int64_t rb = r0 + w * 16 + hr * 8, cb = c0 + cv * 8;
@@ -73,9 +81,11 @@ static __device__ __forceinline__ void load_tile(const qparams &p, int64_t e, in
             }
 #pragma unroll
             for (int k = 0; k < 8; k++) {
-                v[k][0] = raw[2 * k].x; v[k][1] = raw[2 * k].y; v[k][2] = raw[2 * k].z; v[k][3] = raw[2 * k].w;
-                v[k][4] = raw[2 * k + 1].x; v[k][5] = raw[2 * k + 1].y;
-                v[k][6] = raw[2 * k + 1].z; v[k][7] = raw[2 * k + 1].w;
+                const float4 a = raw[2 * k], b = raw[2 * k + 1];
+                t[k][0] = __float_as_uint(a.x); t[k][1] = __float_as_uint(a.y);
+                t[k][2] = __float_as_uint(a.z); t[k][3] = __float_as_uint(a.w);
+                t[k][4] = __float_as_uint(b.x); t[k][5] = __float_as_uint(b.y);
+                t[k][6] = __float_as_uint(b.z); t[k][7] = __float_as_uint(b.w);
             }
         } else {
             uint4 raw[8];
@@ -84,15 +94,14 @@ static __device__ __forceinline__ void load_tile(const qparams &p, int64_t e, in
                 raw[k] = __ldcs((const uint4 *)((const uint16_t *)p.in + ((e * p.rows + rb + k) * p.cols + cb)));
 #pragma unroll
             for (int k = 0; k < 8; k++) {
-                uint32_t wd[4] = {raw[k].x, raw[k].y, raw[k].z, raw[k].w};
+                const uint32_t wd[4] = {raw[k].x, raw[k].y, raw[k].z, raw[k].w};
 #pragma unroll
                 for (int q = 0; q < 4; q++) {
                     if (IN == FM_DTYPE_BF16) {
-                        v[k][2 * q] = __uint_as_float(wd[q] << 16);
-                        v[k][2 * q + 1] = __uint_as_float(wd[q] & 0xFFFF0000u);
+                        t[k][q] = wd[q];
                     } else {
-                        v[k][2 * q] = fm_hw_f16_to_f32((uint16_t)(wd[q] & 0xFFFFu));
-                        v[k][2 * q + 1] = fm_hw_f16_to_f32((uint16_t)(wd[q] >> 16));
+                        t[k][2 * q] = __float_as_uint(fm_hw_f16_to_f32((uint16_t)(wd[q] & 0xFFFFu)));
+                        t[k][2 * q + 1] = __float_as_uint(fm_hw_f16_to_f32((uint16_t)(wd[q] >> 16)));
                     }
                 }
             }
@@ -106,21 +115,77 @@ static __device__ __forceinline__ void load_tile(const qparams &p, int64_t e, in
 #pragma unroll
         for (int j = 0; j < 8; j++) {
             int64_t rr = rb + k, cc = cb + j;
-            float x = 0.0f;
+            uint32_t x = 0;
             if (rr < p.rows && cc < p.cols) {
                 int64_t i = (e * p.rows + rr) * p.cols + cc;
                 if (IN == FM_DTYPE_F32)
-                    x = ((const float *)p.in)[i];
+                    x = ((const uint32_t *)p.in)[i];
                 else if (IN == FM_DTYPE_BF16)
-                    x = fm_bf16_to_f32(((const uint16_t *)p.in)[i]);
+                    x = ((const uint16_t *)p.in)[i];
                 else
-                    x = fm_hw_f16_to_f32(((const uint16_t *)p.in)[i]);
+                    x = __float_as_uint(fm_hw_f16_to_f32(((const uint16_t *)p.in)[i]));
             }
-            v[k][j] = x;
+            if (IN == FM_DTYPE_BF16)
+                t[k][j >> 1] = (j & 1) ? t[k][j >> 1] | (x << 16) : x;
+            else
+                t[k][j] = x;
         }
 }
 
-static __device__ __forceinline__ uint32_t absbits(float x) { return __float_as_uint(x) & 0x7FFFFFFFu; }
+/* Element (k, j) of the sub-tile as F32. */
+template <int IN>
+static __device__ __forceinline__ float tval(const uint32_t t[8][8], int k, int j)
+{
+    if (IN == FM_DTYPE_BF16)
+        return __uint_as_float((j & 1) ? t[k][j >> 1] & 0xFFFF0000u : t[k][j >> 1] << 16);
+    return __uint_as_float(t[k][j]);
+}
+
+static __device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b)
+{
+    uint32_t d;
+    asm("max.u16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+/* The F32 bits of max |x| over row k of the sub-tile. */
+template <int IN>
+static __device__ __forceinline__ uint32_t row_absmax(const uint32_t t[8][8], int k)
+{
+    if (IN == FM_DTYPE_BF16) {
+        const uint32_t m = max_u16x2(max_u16x2(t[k][0] & 0x7FFF7FFFu, t[k][1] & 0x7FFF7FFFu),
+                                     max_u16x2(t[k][2] & 0x7FFF7FFFu, t[k][3] & 0x7FFF7FFFu));
+        const uint32_t lo = m << 16, hi = m & 0xFFFF0000u;
+        return lo > hi ? lo : hi;
+    }
+    uint32_t m = 0;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        const uint32_t a = t[k][j] & 0x7FFFFFFFu;
+        m = a > m ? a : m;
+    }
+    return m;
+}
+
+/* The F32 bits of max |x| over column j of the sub-tile. */
+template <int IN>
+static __device__ __forceinline__ uint32_t col_absmax(const uint32_t t[8][8], int j)
+{
+    if (IN == FM_DTYPE_BF16) {
+        uint32_t m = 0;
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+            m = max_u16x2(m, t[k][j >> 1] & 0x7FFF7FFFu);
+        return (j & 1) ? m & 0xFFFF0000u : m << 16;
+    }
+    uint32_t m = 0;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const uint32_t a = t[k][j] & 0x7FFFFFFFu;
+        m = a > m ? a : m;
+    }
+    return m;
+}
 
 static __device__ __forceinline__ uint32_t fm_umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
 
@@ -149,7 +214,7 @@ static __device__ __forceinline__ int pcol(int c) { return (c & 7) * 16 + (c >> 
  * compiler drops the other modes' code and the predicates it keeps live (the
  * BF16 activation paths get these). */
 template <int IN, int RE, int CE, int MODE>
-__global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS) quant_tile_kernel(const qparams p)
+__global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN)) quant_tile_kernel(const qparams p)
 {
     __shared__ uint32_t red[8][128];
     __shared__ float cmul[4][128];
@@ -173,7 +238,7 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS) quant_tile_kern
         const bool full = r0 + QT <= p.rows && c0 + QT <= p.cols;
         const int64_t rb = r0 + w * 16 + hr * 8, cb = c0 + cv * 8;
 
-        float v[8][8];
+        uint32_t v[8][8];
         load_tile<IN>(p, e, r0, c0, full && p.vec_in, v);
 
         uint32_t tmax = 0;
@@ -181,9 +246,7 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS) quant_tile_kern
             uint32_t m = 0;
 #pragma unroll
             for (int k = 0; k < 8; k++)
-#pragma unroll
-                for (int j = 0; j < 8; j++)
-                    m = fm_umax(m, absbits(v[k][j]));
+                m = fm_umax(m, row_absmax<IN>(v, k));
 #pragma unroll
             for (int s = 16; s; s >>= 1)
                 m = fm_umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, s));
@@ -205,10 +268,7 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS) quant_tile_kern
                 uint32_t rm[8];
 #pragma unroll
                 for (int k = 0; k < 8; k++) {
-                    uint32_t m = 0;
-#pragma unroll
-                    for (int j = 0; j < 8; j++)
-                        m = fm_umax(m, absbits(v[k][j]));
+                    uint32_t m = row_absmax<IN>(v, k);
                     m = fm_umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
                     m = fm_umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, 2));
                     if (mode == FM_SCALE_BLOCK_1x128) {
@@ -287,7 +347,7 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS) quant_tile_kern
                 float y[8];
 #pragma unroll
                 for (int j = 0; j < 8; j++)
-                    y[j] = v[k][j] * mult[k];
+                    y[j] = tval<IN>(v, k, j) * mult[k];
                 uint2 code = fm_encode8<RE>(y);
                 if (mult[k] != mult[k])
                     code.x = code.y = fm_nan_word<RE>();
@@ -321,10 +381,7 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS) quant_tile_kern
             if (mode == FM_SCALE_BLOCK_1x128 || mode == FM_SCALE_MX32) {
 #pragma unroll
                 for (int j = 0; j < 8; j++) {
-                    uint32_t m = 0;
-#pragma unroll
-                    for (int k = 0; k < 8; k++)
-                        m = fm_umax(m, absbits(v[k][j]));
+                    uint32_t m = col_absmax<IN>(v, j);
                     m = fm_umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, 16));
                     if (hr == 0)
                         red[w][j * 16 + cv] = m;
@@ -389,7 +446,7 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS) quant_tile_kern
                 float y[8];
 #pragma unroll
                 for (int k = 0; k < 8; k++)
-                    y[k] = v[k][j] * cm[j];
+                    y[k] = tval<IN>(v, k, j) * cm[j];
                 uint2 code = fm_encode8<CE>(y);
                 if (cm[j] != cm[j])
                     code.x = code.y = fm_nan_word<CE>();
@@ -475,15 +532,13 @@ __global__ void __launch_bounds__(QTHREADS, 2) quant_amax_kernel(const ppparams 
         const int64_t r0 = tr * QT, c0 = tc * QT;
         const bool full = r0 + QT <= pp.rows && c0 + QT <= pp.cols;
         const int64_t rb = r0 + w * 16 + hr * 8;
-        float v[8][8];
+        uint32_t v[8][8];
         load_tile<IN>(p, e, r0, c0, full && pp.vec_in, v);
         if (pp.tmax[0] || pp.tmax[1]) {
             uint32_t m = 0;
 #pragma unroll
             for (int k = 0; k < 8; k++)
-#pragma unroll
-                for (int j = 0; j < 8; j++)
-                    m = fm_umax(m, absbits(v[k][j]));
+                m = fm_umax(m, row_absmax<IN>(v, k));
 #pragma unroll
             for (int s = 16; s; s >>= 1)
                 m = fm_umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, s));
@@ -502,10 +557,7 @@ __global__ void __launch_bounds__(QTHREADS, 2) quant_amax_kernel(const ppparams 
         if (pp.rmax) {
 #pragma unroll
             for (int k = 0; k < 8; k++) {
-                uint32_t m = 0;
-#pragma unroll
-                for (int j = 0; j < 8; j++)
-                    m = fm_umax(m, absbits(v[k][j]));
+                uint32_t m = row_absmax<IN>(v, k);
 #pragma unroll
                 for (int s = 1; s < 16; s <<= 1)
                     m = fm_umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, s));
@@ -516,10 +568,7 @@ __global__ void __launch_bounds__(QTHREADS, 2) quant_amax_kernel(const ppparams 
         if (pp.cmax) {
 #pragma unroll
             for (int j = 0; j < 8; j++) {
-                uint32_t m = 0;
-#pragma unroll
-                for (int k = 0; k < 8; k++)
-                    m = fm_umax(m, absbits(v[k][j]));
+                uint32_t m = col_absmax<IN>(v, j);
                 m = fm_umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, 16));
                 if (hr == 0)
                     red[w][j * 16 + cv] = m;
