@@ -641,6 +641,267 @@ static void xv_scale_layout_convert(xv_env *x, xv_counts *cnt)
     }
 }
 
+/* ---- ops: transpose_scaled, convert_scaled ---------------------------------
+ * Inputs are quantized on the CPU (POW2 scales) from fresh data of every
+ * kind; the "scrambled" kind then overwrites the codes with random bytes
+ * (NaN / Inf codes of finite blocks, every magnitude) and the scales with
+ * random powers of two over the whole range (F32 subnormal ones, E8M0 0 and
+ * 254, NaN), and the padding entries of a GEMM-layout F32 input with 3.0,
+ * which both backends must ignore. Codes, scales and the nonfinite count are
+ * compared bit for bit. A few cases plant non-power-of-two scales: both
+ * backends must refuse with the same sentence and leave every output as it
+ * was. */
+
+typedef struct xv_rqfmt {
+    fm_dtype elem;
+    fm_scale_mode mode;
+} xv_rqfmt;
+
+static const xv_rqfmt rq_fmts[] = {
+    {FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128}, {FM_DTYPE_E5M2, FM_SCALE_BLOCK_1x128}, {FM_DTYPE_E4M3, FM_SCALE_MX32},
+    {FM_DTYPE_E5M2, FM_SCALE_MX32},        {FM_DTYPE_E2M1, FM_SCALE_MX32},
+};
+#define NRQFMTS (int)(sizeof rq_fmts / sizeof rq_fmts[0])
+
+enum { RQ_SCRAMBLED = K_COUNT, RQ_KINDS };
+static const char *rq_kind_name(int k) { return k == RQ_SCRAMBLED ? "scrambled" : kind_name[k]; }
+static const char *rq_rule_name[] = {"tight", "rowmax", "mx_floor"};
+
+/* Marks the scale entries of real blocks of one stored R x C matrix. */
+static void mark_real_entries(unsigned char *mark, int64_t per, fm_scale_mode m, fm_scale_layout sl, int64_t R,
+                              int64_t C)
+{
+    memset(mark, 0, (size_t)(per > 0 ? per : 1));
+    int64_t b = fm_scale_mode_block_cols(m), br = fm_scale_mode_block_rows(m);
+    for (int64_t r = 0; r < R; r += br)
+        for (int64_t c = 0; c < C; c += b)
+            mark[fm_scale_offset(m, sl, R, C, r, c)] = 1;
+}
+
+/* The quantized input: host and device copies of the same codes and scales. */
+static int rq_make_input(xv_env *x, xv_qout *q, const xv_shape *s, const xv_qcfg *c, fm_layout lay, int kind)
+{
+    if (!qout_setup(x, q, s, c, lay))
+        return 0;
+    int64_t n = s->E * s->rows * s->cols;
+    fm_dtype src_t = (rnd(x) & 1) ? FM_DTYPE_F32 : FM_DTYPE_BF16;
+    xv_buf src = {0};
+    if (!(src.h = malloc((size_t)(n > 0 ? n : 1) * (size_t)dtype_bytes(src_t))))
+        return 0;
+    gen_input(x, src.h, src_t, s->E, s->rows, s->cols, kind == RQ_SCRAMBLED ? K_RANDOM : kind);
+    fm_tensor sh = make_tensor(s, src.h, src_t, FM_DEVICE_HOST);
+    fm_quant_config qc = {.rule = c->rule};
+    fm_status st = fm_quantize(x->cpu, &qc, &sh, lay == FM_LAYOUT_ROWWISE ? &q->th : NULL,
+                               lay == FM_LAYOUT_COLWISE ? &q->th : NULL);
+    free(src.h);
+    if (st != FM_OK)
+        return 0;
+    if (kind == RQ_SCRAMBLED) {
+        uint8_t *d = q->data.h;
+        for (size_t i = 0; i < q->data.n; i++)
+            if (rnd(x) & 1)
+                d[i] = (uint8_t)rnd(x);
+        int64_t E = fm_tensor_experts(&q->th), R = fm_tensor_stored_rows(&q->th), C = fm_tensor_stored_cols(&q->th);
+        int64_t per = fm_scale_count_2d(c->mode, c->sl, R, C);
+        if (q->th.scale_dtype == FM_DTYPE_E8M0) {
+            uint8_t *sc = q->scale.h;
+            for (size_t i = 0; i < q->scale.n; i++) {
+                uint64_t r = rnd(x) % 32;
+                sc[i] = r == 0 ? 0xFF : r == 1 ? 0 : r == 2 ? 254 : r < 12 ? (uint8_t)rnd(x) : (uint8_t)(127 + rndi(x, -12, 12));
+            }
+        } else {
+            unsigned char *mark = malloc((size_t)(per > 0 ? per : 1));
+            if (!mark)
+                return 0;
+            mark_real_entries(mark, per, c->mode, c->sl, R, C);
+            float *sc = q->scale.h;
+            for (int64_t e = 0; e < E; e++)
+                for (int64_t k = 0; k < per; k++) {
+                    uint64_t r = rnd(x) % 32;
+                    float v = r == 0   ? f32_from_bits(0x7FC00000u)
+                            : r < 4    ? (float)ldexp(1.0, rndi(x, -149, 127))
+                            : r < 6    ? (float)ldexp(1.0, rndi(x, -149, -120))
+                            : r < 8    ? (float)ldexp(1.0, rndi(x, 100, 127))
+                                       : (float)ldexp(1.0, rndi(x, -12, 12));
+                    sc[e * per + k] = mark[k] ? v : 3.0f;
+                }
+            free(mark);
+        }
+    }
+    return buf_upload(x, &q->data) && buf_upload(x, &q->scale);
+}
+
+/* 0 pass, 1 fail, 2 skip. bad_scales > 0: plant that many non-power-of-two
+ * F32 scales and expect both backends to refuse. */
+static int rq_case(xv_env *x, const xv_shape *s, int transpose, const xv_qcfg *ic, fm_layout il, const xv_qcfg *oc,
+                   fm_requant_rule rule, int kind, int bad_scales, const char *name)
+{
+    int res = 1;
+    xv_qout in, out;
+    xv_buf nonf = {0};
+    memset(&in, 0, sizeof in);
+    memset(&out, 0, sizeof out);
+    fm_layout ol = transpose ? (il == FM_LAYOUT_ROWWISE ? FM_LAYOUT_COLWISE : FM_LAYOUT_ROWWISE) : il;
+    if (!rq_make_input(x, &in, s, ic, il, kind)) {
+        res = x->cuda_broken ? 1 : 2; /* a shape the input format cannot hold (E2M1, odd rows) */
+        goto done;
+    }
+    if (bad_scales) {
+        int64_t R = fm_tensor_stored_rows(&in.th), C = fm_tensor_stored_cols(&in.th), E = fm_tensor_experts(&in.th);
+        int64_t per = fm_scale_count_2d(ic->mode, ic->sl, R, C), nbr = fm_cdiv(C, fm_mode_block_cols(ic->mode));
+        if (E * R * nbr == 0 || in.th.scale_dtype != FM_DTYPE_F32) {
+            res = 2;
+            goto done;
+        }
+        static const float bads[] = {3.0f, 0.0f, -2.0f, 0.75f, 1.0e-45f * 3.0f, INFINITY, -0.0f, 1.5e30f};
+        for (int b = 0; b < bad_scales; b++) {
+            int64_t e = rndi(x, 0, (int)E - 1), r = rndi(x, 0, (int)(R - 1)), cb = rndi(x, 0, (int)(nbr - 1));
+            float v = bads[rnd(x) % (sizeof bads / sizeof bads[0])];
+            ((float *)in.scale.h)[e * per + fm_scale_offset(ic->mode, ic->sl, R, C, r, cb * fm_mode_block_cols(ic->mode))] = v;
+        }
+        if (!buf_upload(x, &in.scale))
+            goto done;
+    }
+    if (!qout_setup(x, &out, s, oc, ol) || !buf_alloc(x, &nonf, 8) || !buf_poison(x, &nonf))
+        goto done;
+    fm_requant_config ch = {.rule = rule, .nonfinite_blocks = nonf.h};
+    fm_requant_config cd = {.rule = rule, .nonfinite_blocks = nonf.d};
+    fm_status stc = transpose ? fm_transpose_scaled(x->cpu, &ch, &in.th, &out.th) : fm_convert_scaled(x->cpu, &ch, &in.th, &out.th);
+    char cmsg[768];
+    snprintf(cmsg, sizeof cmsg, "%s", fm_last_error(x->cpu));
+    fm_status stg = transpose ? fm_transpose_scaled(x->gpu, &cd, &in.td, &out.td) : fm_convert_scaled(x->gpu, &cd, &in.td, &out.td);
+    if (stg == FM_OK && !cuda_ok(x, cudaDeviceSynchronize(), name))
+        stg = FM_ERR_BACKEND;
+    if (bad_scales) {
+        /* Refused by both, with the same sentence (the same first block), and
+         * nothing written on the device: the outputs still hold the poison. */
+        int ok = stc == FM_ERR_INVALID_ARG && stg == FM_ERR_INVALID_ARG && !strcmp(cmsg, fm_last_error(x->gpu)) &&
+                 strstr(cmsg, "not a positive power of two") != NULL;
+        if (!ok && x->printed++ < 20)
+            fprintf(stderr, "FAIL %s: expected both to refuse alike: cpu %s (%s) gpu %s (%s)\n", name,
+                    fm_status_name(stc), cmsg, fm_status_name(stg), fm_last_error(x->gpu));
+        xv_buf *outs[3] = {&out.data, &out.scale, &nonf};
+        for (int k = 0; k < 3 && ok; k++) {
+            if (outs[k]->n == 0)
+                continue;
+            unsigned char *g = malloc(outs[k]->n);
+            if (!g || !cuda_ok(x, cudaMemcpy(g, outs[k]->d, outs[k]->n, cudaMemcpyDeviceToHost), "cudaMemcpy D2H")) {
+                free(g);
+                ok = 0;
+                break;
+            }
+            for (size_t i = 0; i < outs[k]->n; i++)
+                if (g[i] != 0xA5) {
+                    ok = 0;
+                    if (x->printed++ < 20)
+                        fprintf(stderr, "FAIL %s: a refused call wrote output byte %zu of buffer %d\n", name, i, k);
+                    break;
+                }
+            free(g);
+        }
+        res = ok ? 0 : 1;
+        goto done;
+    }
+    if (stc != FM_OK || stg != FM_OK) {
+        if (stc == stg)
+            res = 2;
+        else if (x->printed++ < 20)
+            fprintf(stderr, "FAIL %s: status cpu %s (%s) gpu %s (%s)\n", name, fm_status_name(stc), cmsg,
+                    fm_status_name(stg), fm_last_error(x->gpu));
+        goto done;
+    }
+    res = (buf_same(x, &out.data, "codes", name) & buf_same(x, &out.scale, "scales", name) &
+           buf_same(x, &nonf, "nonfinite_blocks", name))
+              ? 0
+              : 1;
+done:
+    qout_free(&in);
+    qout_free(&out);
+    buf_free(&nonf);
+    return res;
+}
+
+static void rq_run(xv_env *x, xv_counts *cnt, int transpose)
+{
+    const char *opn = transpose ? "transpose_scaled" : "convert_scaled";
+    long serial = 0;
+    for (int si = 0; si < NSHAPES && !x->cuda_broken; si++) {
+        const xv_shape *s = &shapes[si];
+        if (shape_skipped(x, s))
+            continue;
+        for (int fi = 0; fi < NRQFMTS && !x->cuda_broken; fi++)
+            for (int fo = 0; fo < NRQFMTS && !x->cuda_broken; fo++)
+                for (int v = 0; v < 4 && !x->cuda_broken; v++) {
+                    serial++;
+                    if (s->large && serial % 8)
+                        continue;
+                    if (x->quick && serial % 5)
+                        continue;
+                    const xv_rqfmt *a = &rq_fmts[fi], *b = &rq_fmts[fo];
+                    int same = a->elem == b->elem && a->mode == b->mode;
+                    /* Rule: mostly TIGHT; ROWMAX where it applies; MX_FLOOR for MX32 outputs. */
+                    fm_requant_rule rule = FM_REQUANT_TIGHT;
+                    if (v == 1 && transpose && same)
+                        rule = FM_REQUANT_ROWMAX;
+                    else if (v == 2 && b->mode == FM_SCALE_MX32)
+                        rule = FM_REQUANT_MX_FLOOR;
+                    fm_layout il = (serial / 3) % 2 ? FM_LAYOUT_COLWISE : FM_LAYOUT_ROWWISE;
+                    xv_qcfg ic = {a->elem, a->mode, FM_SCALE_RULE_POW2,
+                                  (serial / 5) % 3 == 2 ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT};
+                    xv_qcfg oc = {b->elem, b->mode, FM_SCALE_RULE_POW2,
+                                  (serial / 7) % 3 == 2 ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT};
+                    int kind = (int)((serial + v) % RQ_KINDS);
+                    char sn[64], name[320];
+                    shape_name(s, sn, sizeof sn);
+                    snprintf(name, sizeof name, "%s %s %s %s %s %s -> %s %s %s rule=%s kind=%s", opn, sn,
+                             fm_dtype_name(a->elem), fm_scale_mode_name(a->mode), fm_layout_name(il),
+                             fm_scale_layout_name(ic.sl), fm_dtype_name(b->elem), fm_scale_mode_name(b->mode),
+                             fm_scale_layout_name(oc.sl), rq_rule_name[rule], rq_kind_name(kind));
+                    tally(x, cnt, rq_case(x, s, transpose, &ic, il, &oc, rule, kind, 0, name), name);
+                }
+        /* BLOCK_128x128: the exact transpose (POW2 and EXACT scales). */
+        if (transpose)
+            for (int v = 0; v < 4 && !x->cuda_broken; v++) {
+                serial++;
+                if (x->quick && serial % 3)
+                    continue;
+                xv_qcfg c = {v & 1 ? FM_DTYPE_E5M2 : FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128,
+                             v & 2 ? FM_SCALE_RULE_EXACT : FM_SCALE_RULE_POW2,
+                             serial % 2 ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT};
+                xv_qcfg oc = c;
+                oc.sl = (serial / 2) % 2 ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT;
+                fm_layout il = v < 2 ? FM_LAYOUT_ROWWISE : FM_LAYOUT_COLWISE;
+                int kind = (int)(serial % K_COUNT);
+                char sn[64], name[320];
+                shape_name(s, sn, sizeof sn);
+                snprintf(name, sizeof name, "%s %s %s BLOCK_128x128 %s %s -> %s kind=%s", opn, sn,
+                         fm_dtype_name(c.elem), c.rule == FM_SCALE_RULE_EXACT ? "exact" : "pow2",
+                         fm_scale_layout_name(c.sl), fm_scale_layout_name(oc.sl), kind_name[kind]);
+                tally(x, cnt, rq_case(x, s, 1, &c, il, &oc, FM_REQUANT_TIGHT, kind, 0, name), name);
+            }
+    }
+    /* Non-power-of-two F32 scales: refused by both, before anything is written. */
+    static const xv_shape bad_shapes[] = {{1, 130, 300, 2, 0}, {3, 200, 136, 3, 0}, {1, 1, 7, 2, 0}};
+    for (int k = 0; k < 6 && !x->cuda_broken; k++) {
+        const xv_shape *s = &bad_shapes[k % 3];
+        const xv_rqfmt *b = &rq_fmts[k % 4]; /* FP8 outputs: every shape below is valid for them */
+        xv_qcfg ic = {k & 1 ? FM_DTYPE_E5M2 : FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_RULE_POW2,
+                      k >= 3 ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT};
+        xv_qcfg oc = {b->elem, b->mode, FM_SCALE_RULE_POW2, FM_SCALE_LAYOUT_COMPACT};
+        fm_layout il = k % 2 ? FM_LAYOUT_COLWISE : FM_LAYOUT_ROWWISE;
+        char sn[64], name[320];
+        shape_name(s, sn, sizeof sn);
+        snprintf(name, sizeof name, "%s %s %s BLOCK_1x128 %s %s -> %s %s: %d non-pow2 scale(s) refused", opn, sn,
+                 fm_dtype_name(ic.elem), fm_scale_layout_name(ic.sl), fm_layout_name(il), fm_dtype_name(b->elem),
+                 fm_scale_mode_name(b->mode), 1 + k % 2);
+        int r = rq_case(x, s, transpose, &ic, il, &oc, FM_REQUANT_TIGHT, K_RANDOM, 1 + k % 2, name);
+        tally(x, cnt, r == 2 ? 1 : r, name); /* these shapes always hold the input: a skip is a failure */
+    }
+}
+
+static void xv_transpose_scaled(xv_env *x, xv_counts *cnt) { rq_run(x, cnt, 1); }
+static void xv_convert_scaled(xv_env *x, xv_counts *cnt) { rq_run(x, cnt, 0); }
+
 /* ---- the op table: a later op registers here ------------------------------- */
 
 typedef void (*xv_op_fn)(xv_env *x, xv_counts *c);
@@ -651,6 +912,8 @@ static const struct {
     {"quantize", xv_quantize},
     {"dequantize", xv_dequantize},
     {"scale_layout_convert", xv_scale_layout_convert},
+    {"transpose_scaled", xv_transpose_scaled},
+    {"convert_scaled", xv_convert_scaled},
 };
 #define NOPS (int)(sizeof xv_ops / sizeof xv_ops[0])
 

@@ -67,7 +67,7 @@ fi
 step "meson test --suite gpu" 200 "$OUT/tests.log" meson test -C "$B" --suite gpu --num-processes 1 --print-errorlogs
 cat "$B/meson-logs/testlog.txt" >>"$OUT/tests.log" 2>/dev/null
 grep -E "^ *[0-9]+/[0-9]+ .*(OK|FAIL|SKIP|TIMEOUT|ERROR)" "$OUT/tests.log" | head -20 >>"$summary"
-grep -E "^(quantize|dequantize|scale_layout_convert) +[0-9]+ passed" "$OUT/tests.log" >>"$summary"
+grep -E "^(quantize|dequantize|scale_layout_convert|transpose_scaled|convert_scaled) +[0-9]+ passed" "$OUT/tests.log" >>"$summary"
 
 # ---- fm-bench -------------------------------------------------------------------
 step "fm-bench" 120 "$OUT/bench.md" "$B/tools/fm-bench"
@@ -99,6 +99,8 @@ else
     done
     step "memcheck fm-xval -q" 200 "$san" "$CS" --tool memcheck --error-exitcode 3 "$B/tools/fm-xval" -q
     step "racecheck fm-xval -q -o quantize" 150 "$san" "$CS" --tool racecheck --error-exitcode 3 "$B/tools/fm-xval" -q -o quantize
+    step "racecheck fm-xval -q -o transpose_scaled -o convert_scaled" 150 "$san" "$CS" --tool racecheck \
+        --error-exitcode 3 "$B/tools/fm-xval" -q -o transpose_scaled -o convert_scaled
     step "synccheck test_cuda_quantize_bitexact_with_cpu" 100 "$san" "$CS" --tool synccheck --error-exitcode 3 "$B/tests/gpu/test_cuda_quantize_bitexact_with_cpu"
     grep -E "ERROR SUMMARY|LEAK SUMMARY|RACECHECK SUMMARY" "$san" | sort | uniq -c >>"$summary"
 fi
@@ -108,4 +110,4 @@ echo "================ summary ================"
 cat "$summary"
 echo
 sed -n '/^| op/,/target(s) missed/p' "$OUT/bench.md"
-grep -E "^Device-to-device" "$OUT/bench.md"
+grep -E "^Device-to-device|speed-up|speedup" "$OUT/bench.md"

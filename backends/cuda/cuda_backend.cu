@@ -121,7 +121,7 @@ static const fm_backend cuda_backend = {
     /* .synchronize          = */ cuda_synchronize,
     /* .set_stream           = */ cuda_set_stream,
     /* .destroy              = */ cuda_destroy,
-    /* .requantize           = */ NULL,
+    /* .requantize           = */ fm_cuda_requantize,
 };
 
 fm_status fm_cuda_backend_init(fm_context *ctx, const fm_context_config *cfg)
