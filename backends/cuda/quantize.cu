@@ -25,13 +25,12 @@
 #define QT 128
 #define QTHREADS 256
 /* CTAs per SM the tile kernel's registers are capped for. A BF16 tile stays
- * packed and fits 64 registers without spilling, so four CTAs share an SM;
- * F32 and F16 tiles need about 108. -DFM_QUANT_MIN_BLOCKS_BF16=N overrides
- * the BF16 figure for experiments (ptxas -v reports the spills). */
-#ifndef FM_QUANT_MIN_BLOCKS_BF16
-#define FM_QUANT_MIN_BLOCKS_BF16 4
-#endif
-#define FM_QUANT_MIN_BLOCKS(IN) ((IN) == FM_DTYPE_BF16 ? FM_QUANT_MIN_BLOCKS_BF16 : 2)
+ * packed: with both outputs, or with MX32 blocks, it fits 64 registers
+ * without spilling, so four CTAs share an SM; the other single-output BF16
+ * kernels fit 80 (three CTAs; at 64 they spill a few bytes). F32 and F16
+ * tiles need about 108 (two CTAs). */
+#define FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE)                                                         \
+    ((IN) != FM_DTYPE_BF16 ? 2 : ((RE) && (CE)) || (MODE) == FM_SCALE_MX32 ? 4 : 3)
 
 typedef struct qout {
     uint8_t *data;
@@ -214,7 +213,7 @@ static __device__ __forceinline__ int pcol(int c) { return (c & 7) * 16 + (c >> 
  * compiler drops the other modes' code and the predicates it keeps live (the
  * BF16 activation paths get these). */
 template <int IN, int RE, int CE, int MODE>
-__global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN)) quant_tile_kernel(const qparams p)
+__global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE)) quant_tile_kernel(const qparams p)
 {
     __shared__ uint32_t red[8][128];
     __shared__ float cmul[4][128];
