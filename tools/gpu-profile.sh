@@ -18,6 +18,9 @@ if [ ! -f "$B/build.ninja" ]; then
 fi
 ninja -C "$B" tools/fm-bench >>"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+# Where warps wait, as average cycles per warp (ratios between them are what matter).
+STALLS=$(printf 'smsp__average_warp_latency_issue_stalled_%s,' barrier long_scoreboard short_scoreboard \
+    mio_throttle lg_throttle math_pipe_throttle wait not_selected dispatch_stall | sed 's/,$//')
 n=0
 for spec in "$@"; do
     n=$((n + 1))
@@ -25,7 +28,8 @@ for spec in "$@"; do
     echo "== $k in '$f'" | tee "$OUT/ncu-$n.txt"
     timeout 240 "$NCU" --clock-control none -k "regex:$k" --launch-skip 3 --launch-count 1 \
         --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
-        --section MemoryWorkloadAnalysis --section LaunchStats \
+        --section MemoryWorkloadAnalysis --section LaunchStats --section InstructionStats \
+        --metrics "$STALLS,smsp__inst_executed.sum" \
         "$B/tools/fm-bench" --reps 5 --filter "$f" >>"$OUT/ncu-$n.txt" 2>&1
-    grep -E "Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Issue Slots Busy|No Eligible|Stall|Warp Cycles Per Issued|One or More Eligible|Block Limit" "$OUT/ncu-$n.txt" | head -40
+    grep -E "Duration|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|No Eligible|Warp Cycles Per Issued|stalled_.*ratio|inst_executed.sum" "$OUT/ncu-$n.txt" | head -40
 done
