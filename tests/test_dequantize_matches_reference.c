@@ -12,18 +12,6 @@
 
 #include "test_util.h"
 
-typedef struct {
-    fm_dtype dt;
-    fm_scale_mode m;
-} combo;
-
-static const combo combos[] = {
-    {FM_DTYPE_E4M3, FM_SCALE_TENSOR}, {FM_DTYPE_E4M3, FM_SCALE_ROW}, {FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128},
-    {FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128}, {FM_DTYPE_E4M3, FM_SCALE_MX32}, {FM_DTYPE_E5M2, FM_SCALE_TENSOR},
-    {FM_DTYPE_E5M2, FM_SCALE_ROW}, {FM_DTYPE_E5M2, FM_SCALE_BLOCK_1x128}, {FM_DTYPE_E5M2, FM_SCALE_BLOCK_128x128},
-    {FM_DTYPE_E5M2, FM_SCALE_MX32}, {FM_DTYPE_E2M1, FM_SCALE_MX32},
-};
-
 static float random_scale(void)
 {
     switch (tu_rand32() % 8) {
@@ -45,11 +33,11 @@ int main(void)
     const fm_dtype outs[3] = {FM_DTYPE_F32, FM_DTYPE_BF16, FM_DTYPE_F16};
     char cs[240];
     long calls = 0;
-    for (size_t ci = 0; ci < sizeof combos / sizeof combos[0]; ci++)
+    for (size_t ci = 0; ci < tu_ncombos; ci++)
         for (int lay = 0; lay < 2; lay++)
             for (int sl = 0; sl < 2; sl++)
                 for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
-                    const combo *cb = &combos[ci];
+                    const tu_combo *cb = &tu_combos[ci];
                     int64_t E = shapes[si][0], rows = shapes[si][1], cols = shapes[si][2], n = E * rows * cols;
                     if (cb->dt == FM_DTYPE_E2M1 && (lay ? rows : cols) % 2)
                         continue;

@@ -8,18 +8,6 @@
 
 #include "test_util.h"
 
-typedef struct {
-    fm_dtype dt;
-    fm_scale_mode m;
-} combo;
-
-static const combo combos[] = {
-    {FM_DTYPE_E4M3, FM_SCALE_TENSOR}, {FM_DTYPE_E4M3, FM_SCALE_ROW}, {FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128},
-    {FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128}, {FM_DTYPE_E4M3, FM_SCALE_MX32}, {FM_DTYPE_E5M2, FM_SCALE_ROW},
-    {FM_DTYPE_E5M2, FM_SCALE_BLOCK_1x128}, {FM_DTYPE_E5M2, FM_SCALE_BLOCK_128x128}, {FM_DTYPE_E5M2, FM_SCALE_MX32},
-    {FM_DTYPE_E2M1, FM_SCALE_MX32},
-};
-
 int main(void)
 {
     tu_begin("test_nonfinite_blocks_propagate");
@@ -29,11 +17,11 @@ int main(void)
     float *x = malloc(sizeof(float) * n), *clean = malloc(sizeof(float) * n);
     const uint32_t bads[] = {0x7FC00000u, 0xFFC00001u, 0x7F800001u, 0x7F800000u, 0xFF800000u};
     char cs[200];
-    for (size_t ci = 0; ci < sizeof combos / sizeof combos[0]; ci++)
+    for (size_t ci = 0; ci < tu_ncombos; ci++)
         for (int rule = 0; rule < 2; rule++)
             for (int trial = 0; trial < 4; trial++) {
                     int in_dt = (int)((trial + ci + (size_t)rule) % 3);
-                    const combo *cb = &combos[ci];
+                    const tu_combo *cb = &tu_combos[ci];
                     fm_scale_rule r = rule ? (cb->m == FM_SCALE_MX32 ? FM_SCALE_RULE_MX_FLOOR : FM_SCALE_RULE_POW2)
                                            : FM_SCALE_RULE_DEFAULT;
                     fm_dtype idt = in_dt == 0 ? FM_DTYPE_F32 : in_dt == 1 ? FM_DTYPE_BF16 : FM_DTYPE_F16;

@@ -20,18 +20,6 @@
 
 #define TD_EDGE TD_COUNT
 
-typedef struct {
-    fm_dtype dt;
-    fm_scale_mode m;
-} combo;
-
-static const combo combos[] = {
-    {FM_DTYPE_E4M3, FM_SCALE_TENSOR}, {FM_DTYPE_E4M3, FM_SCALE_ROW}, {FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128},
-    {FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128}, {FM_DTYPE_E4M3, FM_SCALE_MX32}, {FM_DTYPE_E5M2, FM_SCALE_TENSOR},
-    {FM_DTYPE_E5M2, FM_SCALE_ROW}, {FM_DTYPE_E5M2, FM_SCALE_BLOCK_1x128}, {FM_DTYPE_E5M2, FM_SCALE_BLOCK_128x128},
-    {FM_DTYPE_E5M2, FM_SCALE_MX32}, {FM_DTYPE_E2M1, FM_SCALE_MX32},
-};
-
 static long n_blocks, n_saturated_floor, n_overflow;
 
 static void fill_edges(float *x, int64_t n, or_fmt f)
@@ -54,7 +42,7 @@ static void fill_edges(float *x, int64_t n, or_fmt f)
     }
 }
 
-static void run(fm_context *ctx, const combo *cb, fm_scale_rule rule, int ndim, int64_t E, int64_t rows, int64_t cols,
+static void run(fm_context *ctx, const tu_combo *cb, fm_scale_rule rule, int ndim, int64_t E, int64_t rows, int64_t cols,
                 int kind, float eps)
 {
     or_fmt f = or_from_dtype(cb->dt);
@@ -190,16 +178,16 @@ int main(void)
     const int64_t shapes[][4] = {{2, 1, 1, 256}, {2, 1, 130, 258}, {2, 1, 64, 96}, {3, 2, 34, 160}};
     const int kinds[] = {TD_RANDOM, TD_ZEROS, TD_SUBNORMAL, TD_MAXMAG, TD_WIDE, TD_TIES, TD_EDGE};
     long counter = 0;
-    for (size_t ci = 0; ci < sizeof combos / sizeof combos[0]; ci++) {
-        int mxm = combos[ci].m == FM_SCALE_MX32;
+    for (size_t ci = 0; ci < tu_ncombos; ci++) {
+        int mxm = tu_combos[ci].m == FM_SCALE_MX32;
         fm_scale_rule rules[3] = {FM_SCALE_RULE_DEFAULT, FM_SCALE_RULE_POW2,
                                   mxm ? FM_SCALE_RULE_MX_FLOOR : FM_SCALE_RULE_EXACT};
         for (int ri = 0; ri < 3; ri++)
             for (size_t si = 0; si < 4; si++)
                 for (size_t ki = 0; ki < sizeof kinds / sizeof kinds[0]; ki++, counter++)
-                    run(ctx, &combos[ci], rules[ri], (int)shapes[si][0], shapes[si][1],
+                    run(ctx, &tu_combos[ci], rules[ri], (int)shapes[si][0], shapes[si][1],
                         /* E2M1 column-wise needs an even row count */
-                        shapes[si][2] + (combos[ci].dt == FM_DTYPE_E2M1 && shapes[si][2] % 2), shapes[si][3],
+                        shapes[si][2] + (tu_combos[ci].dt == FM_DTYPE_E2M1 && shapes[si][2] % 2), shapes[si][3],
                         kinds[ki], counter % 4 == 3 ? 1e-3f : 0.0f);
     }
     printf("%ld blocks checked, %ld saturated elements under MX_FLOOR, %ld dequantized past FLT_MAX to Inf\n",

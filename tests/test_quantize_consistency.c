@@ -12,18 +12,6 @@
 
 #include "test_util.h"
 
-typedef struct {
-    fm_dtype dt;
-    fm_scale_mode m;
-} combo;
-
-static const combo combos[] = {
-    {FM_DTYPE_E4M3, FM_SCALE_TENSOR}, {FM_DTYPE_E4M3, FM_SCALE_ROW}, {FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128},
-    {FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128}, {FM_DTYPE_E4M3, FM_SCALE_MX32}, {FM_DTYPE_E5M2, FM_SCALE_ROW},
-    {FM_DTYPE_E5M2, FM_SCALE_BLOCK_1x128}, {FM_DTYPE_E5M2, FM_SCALE_BLOCK_128x128}, {FM_DTYPE_E5M2, FM_SCALE_MX32},
-    {FM_DTYPE_E2M1, FM_SCALE_MX32},
-};
-
 static fm_status quant(fm_context *ctx, fm_scale_rule rule, float eps, fm_tensor *in, tu_qout *row, tu_qout *col,
                        float *amax, int64_t *nf)
 {
@@ -47,10 +35,10 @@ int main(void)
     const int kinds[] = {TD_RANDOM, TD_NONFINITE, TD_SUBNORMAL, TD_TIES, TD_WIDE};
     char cs[200];
     long counter = 0;
-    for (size_t ci = 0; ci < sizeof combos / sizeof combos[0]; ci++)
+    for (size_t ci = 0; ci < tu_ncombos; ci++)
         for (int sl = 0; sl < 2; sl++)
             for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++, counter++) {
-                const combo *cb = &combos[ci];
+                const tu_combo *cb = &tu_combos[ci];
                 int64_t E = shapes[si][0], rows = shapes[si][1], cols = shapes[si][2], n = E * rows * cols;
                 int ndim = E > 1 || rows == 0 || cols == 0 ? 3 : 2;
                 int kind = kinds[counter % 5];

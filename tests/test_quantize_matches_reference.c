@@ -17,18 +17,6 @@
 #include "test_util.h"
 
 typedef struct {
-    fm_dtype dt;
-    fm_scale_mode m;
-} combo;
-
-static const combo combos[] = {
-    {FM_DTYPE_E4M3, FM_SCALE_TENSOR}, {FM_DTYPE_E4M3, FM_SCALE_ROW}, {FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128},
-    {FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128}, {FM_DTYPE_E4M3, FM_SCALE_MX32}, {FM_DTYPE_E5M2, FM_SCALE_TENSOR},
-    {FM_DTYPE_E5M2, FM_SCALE_ROW}, {FM_DTYPE_E5M2, FM_SCALE_BLOCK_1x128}, {FM_DTYPE_E5M2, FM_SCALE_BLOCK_128x128},
-    {FM_DTYPE_E5M2, FM_SCALE_MX32}, {FM_DTYPE_E2M1, FM_SCALE_MX32},
-};
-
-typedef struct {
     int ndim;
     int64_t E, rows, cols;
 } shape;
@@ -41,7 +29,7 @@ static const shape shapes[] = {
 
 static long n_calls, n_elems;
 
-static void run_case(fm_context *ctx, const combo *cb, fm_scale_rule rule, fm_scale_layout sl, const shape *sh,
+static void run_case(fm_context *ctx, const tu_combo *cb, fm_scale_rule rule, fm_scale_layout sl, const shape *sh,
                      int kind, fm_dtype in_dt, float eps, int want_row, int want_col)
 {
     int64_t n = sh->E * sh->rows * sh->cols;
@@ -148,8 +136,8 @@ int main(void)
     const fm_dtype in_dts[3] = {FM_DTYPE_F32, FM_DTYPE_BF16, FM_DTYPE_F16};
     const float epss[5] = {0.0f, 0.0f, 0.0f, 1e-2f, 2.0f};
     long counter = 0;
-    for (size_t ci = 0; ci < sizeof combos / sizeof combos[0]; ci++) {
-        const combo *cb = &combos[ci];
+    for (size_t ci = 0; ci < tu_ncombos; ci++) {
+        const tu_combo *cb = &tu_combos[ci];
         int mx = cb->m == FM_SCALE_MX32;
         fm_scale_rule rules[3] = {FM_SCALE_RULE_DEFAULT, FM_SCALE_RULE_POW2,
                                   mx ? FM_SCALE_RULE_MX_FLOOR : FM_SCALE_RULE_EXACT};

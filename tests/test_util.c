@@ -10,6 +10,14 @@
 #include <time.h>
 #include <unistd.h>
 
+const tu_combo tu_combos[] = {
+    {FM_DTYPE_E4M3, FM_SCALE_TENSOR}, {FM_DTYPE_E4M3, FM_SCALE_ROW}, {FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128},
+    {FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128}, {FM_DTYPE_E4M3, FM_SCALE_MX32}, {FM_DTYPE_E5M2, FM_SCALE_TENSOR},
+    {FM_DTYPE_E5M2, FM_SCALE_ROW}, {FM_DTYPE_E5M2, FM_SCALE_BLOCK_1x128}, {FM_DTYPE_E5M2, FM_SCALE_BLOCK_128x128},
+    {FM_DTYPE_E5M2, FM_SCALE_MX32}, {FM_DTYPE_E2M1, FM_SCALE_MX32},
+};
+const size_t tu_ncombos = sizeof tu_combos / sizeof tu_combos[0];
+
 long tu_checks, tu_fails;
 static const char *tu_name = "test";
 static uint64_t tu_seed_v, tu_s[4];

@@ -12,6 +12,14 @@
 
 #include "flowmoe/flowmoe.h"
 
+/* Every element dtype x scaling mode pair the library quantizes to. */
+typedef struct {
+    fm_dtype dt;
+    fm_scale_mode m;
+} tu_combo;
+extern const tu_combo tu_combos[];
+extern const size_t tu_ncombos;
+
 /* ---- checks -------------------------------------------------------------- */
 
 extern long tu_checks, tu_fails;

@@ -106,6 +106,21 @@ static int buf_upload(xv_env *x, xv_buf *b)
     return cuda_ok(x, cudaMemcpy(b->d, b->h, b->n, cudaMemcpyHostToDevice), "cudaMemcpy H2D");
 }
 
+/* After both backends ran an op: -1 when both succeeded (the outputs are
+ * compared next), 2 when both refused with the same status (a skip), 1 when
+ * they disagree (reported). cmsg is the CPU's error sentence. */
+static int status_verdict(xv_env *x, const char *name, fm_status stc, const char *cmsg, fm_status stg)
+{
+    if (stc == FM_OK && stg == FM_OK)
+        return -1;
+    if (stc == stg)
+        return 2;
+    if (x->printed++ < 20)
+        fprintf(stderr, "FAIL %s: status cpu %s (%s) gpu %s (%s)\n", name, fm_status_name(stc), cmsg,
+                fm_status_name(stg), fm_last_error(x->gpu));
+    return 1;
+}
+
 /* Compares b->h with the device copy; reports the first differing byte. */
 static int buf_same(xv_env *x, const xv_buf *b, const char *what, const char *casename)
 {
@@ -356,15 +371,8 @@ static int quant_case(xv_env *x, const xv_shape *s, fm_dtype in_t, int kind, con
     fm_status stg = fm_quantize(x->gpu, &qd, &id, rc ? &orow.td : NULL, cc ? &ocol.td : NULL);
     if (stg == FM_OK && !cuda_ok(x, cudaDeviceSynchronize(), "quantize"))
         stg = FM_ERR_BACKEND;
-    if (stc != FM_OK || stg != FM_OK) {
-        if (stc == stg) {
-            res = 2;
-        } else if (x->printed++ < 20) {
-            fprintf(stderr, "FAIL %s: status cpu %s (%s) gpu %s (%s)\n", name, fm_status_name(stc),
-                    fm_last_error(x->cpu), fm_status_name(stg), fm_last_error(x->gpu));
-        }
+    if ((res = status_verdict(x, name, stc, fm_last_error(x->cpu), stg)) >= 0)
         goto done;
-    }
     int ok = 1;
     if (rc)
         ok &= buf_same(x, &orow.data, "rowwise codes", name) & buf_same(x, &orow.scale, "rowwise scales", name);
@@ -521,14 +529,8 @@ static int dequant_case(xv_env *x, const xv_shape *s, const xv_qcfg *c, fm_layou
     fm_status stg = fm_dequantize(x->gpu, &id, &od);
     if (stg == FM_OK && !cuda_ok(x, cudaDeviceSynchronize(), "dequantize"))
         stg = FM_ERR_BACKEND;
-    if (stc != FM_OK || stg != FM_OK) {
-        if (stc == stg)
-            res = 2;
-        else if (x->printed++ < 20)
-            fprintf(stderr, "FAIL %s: status cpu %s (%s) gpu %s (%s)\n", name, fm_status_name(stc),
-                    fm_last_error(x->cpu), fm_status_name(stg), fm_last_error(x->gpu));
+    if ((res = status_verdict(x, name, stc, fm_last_error(x->cpu), stg)) >= 0)
         goto done;
-    }
     res = buf_same(x, &out, "output", name) ? 0 : 1;
 done:
     buf_free(&codes);
@@ -600,14 +602,8 @@ static int slc_case(xv_env *x, const xv_shape *s, const xv_qcfg *c, fm_layout la
     fm_status stg = fm_scale_layout_convert(x->gpu, &sd, &dd);
     if (stg == FM_OK && !cuda_ok(x, cudaDeviceSynchronize(), "scale_layout_convert"))
         stg = FM_ERR_BACKEND;
-    if (stc != FM_OK || stg != FM_OK) {
-        if (stc == stg)
-            res = 2;
-        else if (x->printed++ < 20)
-            fprintf(stderr, "FAIL %s: status cpu %s (%s) gpu %s (%s)\n", name, fm_status_name(stc),
-                    fm_last_error(x->cpu), fm_status_name(stg), fm_last_error(x->gpu));
+    if ((res = status_verdict(x, name, stc, fm_last_error(x->cpu), stg)) >= 0)
         goto done;
-    }
     res = buf_same(x, &dst, "dst scales", name) ? 0 : 1;
 done:
     buf_free(&src);
@@ -802,14 +798,8 @@ static int rq_case(xv_env *x, const xv_shape *s, int transpose, const xv_qcfg *i
         res = ok ? 0 : 1;
         goto done;
     }
-    if (stc != FM_OK || stg != FM_OK) {
-        if (stc == stg)
-            res = 2;
-        else if (x->printed++ < 20)
-            fprintf(stderr, "FAIL %s: status cpu %s (%s) gpu %s (%s)\n", name, fm_status_name(stc), cmsg,
-                    fm_status_name(stg), fm_last_error(x->gpu));
+    if ((res = status_verdict(x, name, stc, cmsg, stg)) >= 0)
         goto done;
-    }
     res = (buf_same(x, &out.data, "codes", name) & buf_same(x, &out.scale, "scales", name) &
            buf_same(x, &nonf, "nonfinite_blocks", name))
               ? 0
