@@ -3,7 +3,9 @@
  * Reads a tensor from a .npy file (F32, BF16, F16; F64 is narrowed to F32) or
  * generates an activation-like one, quantizes it with every element format,
  * scaling mode, scale rule and data layout the library has, dequantizes it
- * back and prints one table of error statistics. Uses only the public API. */
+ * back and prints one table of error statistics; then a second table of what
+ * re-encoding an existing FP8/FP4 copy costs (scaling-aware transpose and
+ * conversion against the naive BF16 round trip). Uses only the public API. */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -636,6 +638,173 @@ static void run_variant(const job *jb, const variant *v, result res[2])
     }
 }
 
+/* ---- re-encoding paths: what a second quantization costs ------------------ */
+
+/* The backward GEMMs need column-wise copies, and FP4 dispatch an MXFP4 copy,
+ * of a tensor that already exists row-wise in FP8. Each path below is
+ * measured against the original input: "direct" quantizes the original
+ * straight into the target (the ideal, but the original is gone by then),
+ * "scaling-aware" re-encodes the FP8 codes (fm_transpose_scaled /
+ * fm_convert_scaled, no second rounding where the target range allows),
+ * "naive" dequantizes to BF16 and quantizes again with fresh scales: power of
+ * two (which lands on the scaling-aware bits, at the price of a BF16 pass)
+ * or exact amax / max scales (TE's usual choice for 1x128), whose second
+ * rounding is the double quantization error. */
+typedef struct {
+    const char *name;
+    fm_dtype src_elem, dst_elem;
+    fm_scale_mode src_mode, dst_mode;
+    int transpose;
+} repath;
+
+static const repath repaths[] = {
+    {"E4M3 1x128 row -> col", FM_DTYPE_E4M3, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_1x128, 1},
+    {"E4M3 MX32 row -> col", FM_DTYPE_E4M3, FM_DTYPE_E4M3, FM_SCALE_MX32, FM_SCALE_MX32, 1},
+    {"E2M1 MX32 row -> col", FM_DTYPE_E2M1, FM_DTYPE_E2M1, FM_SCALE_MX32, FM_SCALE_MX32, 1},
+    {"E4M3 1x128 -> E2M1 MX32", FM_DTYPE_E4M3, FM_DTYPE_E2M1, FM_SCALE_BLOCK_1x128, FM_SCALE_MX32, 0},
+};
+#define NREPATHS ((int)(sizeof repaths / sizeof repaths[0]))
+
+typedef struct {
+    fm_tensor t;
+    buf codes, scales;
+} qcopy;
+
+static int qcopy_make(qcopy *q, fm_dtype elem, fm_scale_mode mode, fm_layout lay, int64_t rows, int64_t cols,
+                      char *err, size_t errlen)
+{
+    memset(q, 0, sizeof *q);
+    q->t = fm_tensor_quant_2d(NULL, elem, rows, cols, lay, mode, NULL, FM_SCALE_LAYOUT_COMPACT);
+    q->t.device = on_device ? FM_DEVICE_CUDA : FM_DEVICE_HOST;
+    int64_t nb = fm_tensor_nbytes(&q->t), ns = fm_tensor_scale_nbytes(&q->t);
+    if (nb < 0 || ns < 0) {
+        snprintf(err, errlen, "the library rejects [%lld, %lld] for %s %s", (long long)rows, (long long)cols,
+                 fm_dtype_name(elem), fm_layout_name(lay));
+        return -1;
+    }
+    if (buf_alloc(&q->codes, (size_t)nb, err, errlen) || buf_alloc(&q->scales, (size_t)ns, err, errlen))
+        return -1;
+    q->t.data = buf_op(&q->codes);
+    q->t.scale = buf_op(&q->scales);
+    return 0;
+}
+
+static void qcopy_free(qcopy *q)
+{
+    buf_free(&q->codes);
+    buf_free(&q->scales);
+}
+
+static int api_fail(const job *jb, const char *what, fm_status st, char *err, size_t errlen)
+{
+    if (st == FM_OK)
+        return 0;
+    snprintf(err, errlen, "%s: %s: %s", what, fm_status_name(st), fm_last_error(jb->ctx));
+    return -1;
+}
+
+/* Dequantizes q and measures it against the input. */
+static int measure_copy(const job *jb, const qcopy *q, buf *deq, result *r, char *err, size_t errlen)
+{
+    fm_tensor y = fm_tensor_2d(buf_op(deq), FM_DTYPE_F32, jb->rows, jb->cols);
+    y.device = q->t.device;
+    if (api_fail(jb, "fm_dequantize", fm_dequantize(jb->ctx, &q->t, &y), err, errlen) ||
+        api_fail(jb, "fm_context_synchronize", fm_context_synchronize(jb->ctx), err, errlen) ||
+        buf_download(deq, err, errlen))
+        return -1;
+    memset(r, 0, sizeof *r);
+    r->ok = 1;
+    r->total = jb->rows * jb->cols;
+    measure_values(r, jb->x, deq->h, r->total);
+    return 0;
+}
+
+/* res[0] direct, res[1] scaling-aware, res[2] naive with power-of-two scales,
+ * res[3] naive with exact scales (1x128 targets only; else res[3].ok = 0). */
+static int run_repath(const job *jb, const repath *p, result res[4], char *err, size_t errlen)
+{
+    const fm_layout dl = p->transpose ? FM_LAYOUT_COLWISE : FM_LAYOUT_ROWWISE;
+    const int64_t R = jb->rows, C = jb->cols;
+    fm_device dev = on_device ? FM_DEVICE_CUDA : FM_DEVICE_HOST;
+    qcopy src, dst;
+    buf deq = {0}, mid = {0};
+    int rc = -1;
+    memset(&src, 0, sizeof src);
+    memset(&dst, 0, sizeof dst);
+    fm_tensor in = fm_tensor_2d(buf_op(jb->in), jb->in_dtype, R, C);
+    in.device = dev;
+    if (qcopy_make(&src, p->src_elem, p->src_mode, FM_LAYOUT_ROWWISE, R, C, err, errlen) ||
+        qcopy_make(&dst, p->dst_elem, p->dst_mode, dl, R, C, err, errlen) ||
+        buf_alloc(&deq, (size_t)(R * C) * sizeof(float), err, errlen) ||
+        buf_alloc(&mid, (size_t)(R * C) * 2, err, errlen))
+        goto done;
+    /* direct */
+    if (api_fail(jb, "fm_quantize (direct)", fm_quantize(jb->ctx, NULL, &in, dl ? NULL : &dst.t, dl ? &dst.t : NULL),
+                 err, errlen) ||
+        measure_copy(jb, &dst, &deq, &res[0], err, errlen))
+        goto done;
+    /* scaling-aware, from the row-wise FP8 (or FP4) copy */
+    if (api_fail(jb, "fm_quantize (row-wise source)", fm_quantize(jb->ctx, NULL, &in, &src.t, NULL), err, errlen))
+        goto done;
+    fm_status st = p->transpose ? fm_transpose_scaled(jb->ctx, NULL, &src.t, &dst.t)
+                                : fm_convert_scaled(jb->ctx, NULL, &src.t, &dst.t);
+    if (api_fail(jb, p->transpose ? "fm_transpose_scaled" : "fm_convert_scaled", st, err, errlen) ||
+        measure_copy(jb, &dst, &deq, &res[1], err, errlen))
+        goto done;
+    /* naive: dequantize to BF16, quantize again with fresh scales */
+    fm_tensor m = fm_tensor_2d(buf_op(&mid), FM_DTYPE_BF16, R, C);
+    m.device = dev;
+    if (api_fail(jb, "fm_dequantize (naive)", fm_dequantize(jb->ctx, &src.t, &m), err, errlen) ||
+        api_fail(jb, "fm_quantize (naive)", fm_quantize(jb->ctx, NULL, &m, dl ? NULL : &dst.t, dl ? &dst.t : NULL),
+                 err, errlen) ||
+        measure_copy(jb, &dst, &deq, &res[2], err, errlen))
+        goto done;
+    res[3].ok = 0;
+    if (p->dst_mode == FM_SCALE_BLOCK_1x128) {
+        fm_quant_config exact = {.rule = FM_SCALE_RULE_EXACT};
+        if (api_fail(jb, "fm_quantize (naive, exact scales)",
+                     fm_quantize(jb->ctx, &exact, &m, dl ? NULL : &dst.t, dl ? &dst.t : NULL), err, errlen) ||
+            measure_copy(jb, &dst, &deq, &res[3], err, errlen))
+            goto done;
+    }
+    rc = 0;
+done:
+    qcopy_free(&src);
+    qcopy_free(&dst);
+    buf_free(&deq);
+    buf_free(&mid);
+    return rc;
+}
+
+static double sqnr_db(const result *r);
+
+static void print_repaths(const job *jb)
+{
+    printf("\nRe-encoding an FP8/FP4 copy that already exists (what the backward GEMMs and FP4 dispatch need): "
+           "SQNR in dB against the input, and in brackets the noise a path adds over quantizing the input "
+           "directly into the target:\n\n");
+    printf("%-24s  %7s  %-18s  %-18s  %-18s\n", "path", "direct", "scaling-aware", "naive, pow2 scales",
+           "naive, exact scales");
+    printf("%-24s  %7s  %-18s  %-18s  %-18s\n", "------------------------", "-------", "------------------",
+           "------------------", "------------------");
+    for (int k = 0; k < NREPATHS; k++) {
+        result r[4];
+        char err[512], cell[3][64];
+        if (run_repath(jb, &repaths[k], r, err, sizeof err)) {
+            printf("%-24s  n/a: %s\n", repaths[k].name, err);
+            continue;
+        }
+        for (int i = 1; i < 4; i++) {
+            if (!r[i].ok)
+                snprintf(cell[i - 1], sizeof cell[i - 1], "-");
+            else
+                snprintf(cell[i - 1], sizeof cell[i - 1], "%.2f (%+.1f%%)", sqnr_db(&r[i]),
+                         r[0].noise > 0 ? (r[i].noise - r[0].noise) / r[0].noise * 100.0 : 0.0);
+        }
+        printf("%-24s  %7.2f  %-18s  %-18s  %s\n", repaths[k].name, sqnr_db(&r[0]), cell[0], cell[1], cell[2]);
+    }
+}
+
 /* ---- output ----------------------------------------------------------------- */
 
 static double sqnr_db(const result *r) { return r->noise > 0 ? 10.0 * log10(r->sig / r->noise) : INFINITY; }
@@ -894,7 +1063,8 @@ int main(int argc, char **argv)
                (long long)nonfinite, (long long)lost);
     if (failed)
         printf("note: %d of %d rows could not be measured (n/a above)\n", failed, 2 * NVARIANTS);
-    printf("%d formats x 2 layouts in %.1f s\n", NVARIANTS, now_s() - t0);
+    print_repaths(&jb);
+    printf("\n%d formats x 2 layouts and %d re-encoding paths in %.1f s\n", NVARIANTS, NREPATHS, now_s() - t0);
     rc = 0;
     if (csv && write_csv(csv, o.csv, res))
         rc = 1;
