@@ -56,12 +56,9 @@ int tu_end(void)
     return tu_fails ? 1 : 0;
 }
 
-static void report_head(const char *file, int line)
-{
-    fprintf(stderr, "%s:%d: FAIL ", file, line);
-}
-
-int tu_fail(const char *file, int line, const char *expr, const char *fmt, ...)
+/* Counts one failure and prints it (head, then the caller's message), up to
+ * TU_MAX_REPORTS of them; returns 0 so that checks can return it. */
+static int report_fail(const char *file, int line, const char *head, const char *fmt, va_list ap)
 {
     tu_fails++;
     if (tu_fails > TU_MAX_REPORTS) {
@@ -69,13 +66,18 @@ int tu_fail(const char *file, int line, const char *expr, const char *fmt, ...)
             fprintf(stderr, "(further failures counted, not printed)\n");
         return 0;
     }
-    report_head(file, line);
-    fprintf(stderr, "%s: ", expr);
+    fprintf(stderr, "%s:%d: FAIL %s: ", file, line, head);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    return 0;
+}
+
+int tu_fail(const char *file, int line, const char *expr, const char *fmt, ...)
+{
     va_list ap;
     va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
+    report_fail(file, line, expr, fmt, ap);
     va_end(ap);
-    fputc('\n', stderr);
     return 0;
 }
 
@@ -85,19 +87,13 @@ int tu_check_eq_u(const char *file, int line, const char *ea, const char *eb, ui
     tu_checks++;
     if (a == b)
         return 1;
-    tu_fails++;
-    if (tu_fails > TU_MAX_REPORTS) {
-        if (tu_fails == TU_MAX_REPORTS + 1)
-            fprintf(stderr, "(further failures counted, not printed)\n");
-        return 0;
-    }
-    report_head(file, line);
-    fprintf(stderr, "%s == %s: got 0x%llx, want 0x%llx: ", ea, eb, (unsigned long long)a, (unsigned long long)b);
+    char head[256];
+    snprintf(head, sizeof head, "%s == %s: got 0x%llx, want 0x%llx", ea, eb, (unsigned long long)a,
+             (unsigned long long)b);
     va_list ap;
     va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
+    report_fail(file, line, head, fmt, ap);
     va_end(ap);
-    fputc('\n', stderr);
     return 0;
 }
 

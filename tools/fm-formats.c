@@ -555,6 +555,30 @@ typedef struct {
     const float *x;     /* the input as F32, host */
 } job;
 
+static int api_fail(const job *jb, const char *what, fm_status st, char *err, size_t errlen)
+{
+    if (st == FM_OK)
+        return 0;
+    snprintf(err, errlen, "%s: %s: %s", what, fm_status_name(st), fm_last_error(jb->ctx));
+    return -1;
+}
+
+/* Dequantizes q into deq (F32, row-wise, the input's shape), brings it to the
+ * host and adds its error statistics against the input to r. */
+static int measure_copy(const job *jb, const fm_tensor *q, buf *deq, result *r, char *err, size_t errlen)
+{
+    fm_tensor y = fm_tensor_2d(buf_op(deq), FM_DTYPE_F32, jb->rows, jb->cols);
+    y.device = q->device;
+    if (api_fail(jb, "fm_dequantize", fm_dequantize(jb->ctx, q, &y), err, errlen) ||
+        api_fail(jb, "fm_context_synchronize", fm_context_synchronize(jb->ctx), err, errlen) ||
+        buf_download(deq, err, errlen))
+        return -1;
+    r->ok = 1;
+    r->total = jb->rows * jb->cols;
+    measure_values(r, jb->x, deq->h, r->total);
+    return 0;
+}
+
 /* Quantizes into both layouts in one call (the fused path the trainer uses),
  * then dequantizes each back to a row-wise F32 matrix and measures it. When
  * the fused call refuses (say an odd length for MXFP4 in one layout), each
@@ -608,23 +632,11 @@ static void run_variant(const job *jb, const variant *v, result res[2])
     for (int l = 0; l < 2; l++) {
         if (!live[l])
             continue;
-        fm_tensor y = fm_tensor_2d(buf_op(&deq[l]), FM_DTYPE_F32, jb->rows, jb->cols);
-        y.device = dev;
-        st = fm_dequantize(jb->ctx, &out[l], &y);
-        if (st == FM_OK)
-            st = fm_context_synchronize(jb->ctx);
-        if (st != FM_OK) {
-            snprintf(err[l], sizeof err[l], "fm_dequantize: %s: %s", fm_status_name(st), fm_last_error(jb->ctx));
+        if (measure_copy(jb, &out[l], &deq[l], &res[l], err[l], sizeof err[l]) ||
+            buf_download(&codes[l], err[l], sizeof err[l])) {
             live[l] = 0;
             continue;
         }
-        if (buf_download(&codes[l], err[l], sizeof err[l]) || buf_download(&deq[l], err[l], sizeof err[l])) {
-            live[l] = 0;
-            continue;
-        }
-        res[l].ok = 1;
-        res[l].total = numel;
-        measure_values(&res[l], jb->x, deq[l].h, numel);
         measure_codes(&res[l], codes[l].h, v->elem, l, jb->rows, jb->cols, jb->x, deq[l].h);
     }
     for (int l = 0; l < 2; l++) {
@@ -639,6 +651,8 @@ static void run_variant(const job *jb, const variant *v, result res[2])
 }
 
 /* ---- re-encoding paths: what a second quantization costs ------------------ */
+
+static double sqnr_db(const result *r) { return r->noise > 0 ? 10.0 * log10(r->sig / r->noise) : INFINITY; }
 
 /* The backward GEMMs need column-wise copies, and FP4 dispatch an MXFP4 copy,
  * of a tensor that already exists row-wise in FP8. Each path below is
@@ -695,30 +709,6 @@ static void qcopy_free(qcopy *q)
     buf_free(&q->scales);
 }
 
-static int api_fail(const job *jb, const char *what, fm_status st, char *err, size_t errlen)
-{
-    if (st == FM_OK)
-        return 0;
-    snprintf(err, errlen, "%s: %s: %s", what, fm_status_name(st), fm_last_error(jb->ctx));
-    return -1;
-}
-
-/* Dequantizes q and measures it against the input. */
-static int measure_copy(const job *jb, const qcopy *q, buf *deq, result *r, char *err, size_t errlen)
-{
-    fm_tensor y = fm_tensor_2d(buf_op(deq), FM_DTYPE_F32, jb->rows, jb->cols);
-    y.device = q->t.device;
-    if (api_fail(jb, "fm_dequantize", fm_dequantize(jb->ctx, &q->t, &y), err, errlen) ||
-        api_fail(jb, "fm_context_synchronize", fm_context_synchronize(jb->ctx), err, errlen) ||
-        buf_download(deq, err, errlen))
-        return -1;
-    memset(r, 0, sizeof *r);
-    r->ok = 1;
-    r->total = jb->rows * jb->cols;
-    measure_values(r, jb->x, deq->h, r->total);
-    return 0;
-}
-
 /* res[0] direct, res[1] scaling-aware, res[2] naive with power-of-two scales,
  * res[3] naive with exact scales (1x128 targets only; else res[3].ok = 0). */
 static int run_repath(const job *jb, const repath *p, result res[4], char *err, size_t errlen)
@@ -741,7 +731,7 @@ static int run_repath(const job *jb, const repath *p, result res[4], char *err, 
     /* direct */
     if (api_fail(jb, "fm_quantize (direct)", fm_quantize(jb->ctx, NULL, &in, dl ? NULL : &dst.t, dl ? &dst.t : NULL),
                  err, errlen) ||
-        measure_copy(jb, &dst, &deq, &res[0], err, errlen))
+        measure_copy(jb, &dst.t, &deq, &res[0], err, errlen))
         goto done;
     /* scaling-aware, from the row-wise FP8 (or FP4) copy */
     if (api_fail(jb, "fm_quantize (row-wise source)", fm_quantize(jb->ctx, NULL, &in, &src.t, NULL), err, errlen))
@@ -749,7 +739,7 @@ static int run_repath(const job *jb, const repath *p, result res[4], char *err, 
     fm_status st = p->transpose ? fm_transpose_scaled(jb->ctx, NULL, &src.t, &dst.t)
                                 : fm_convert_scaled(jb->ctx, NULL, &src.t, &dst.t);
     if (api_fail(jb, p->transpose ? "fm_transpose_scaled" : "fm_convert_scaled", st, err, errlen) ||
-        measure_copy(jb, &dst, &deq, &res[1], err, errlen))
+        measure_copy(jb, &dst.t, &deq, &res[1], err, errlen))
         goto done;
     /* naive: dequantize to BF16, quantize again with fresh scales */
     fm_tensor m = fm_tensor_2d(buf_op(&mid), FM_DTYPE_BF16, R, C);
@@ -757,14 +747,14 @@ static int run_repath(const job *jb, const repath *p, result res[4], char *err, 
     if (api_fail(jb, "fm_dequantize (naive)", fm_dequantize(jb->ctx, &src.t, &m), err, errlen) ||
         api_fail(jb, "fm_quantize (naive)", fm_quantize(jb->ctx, NULL, &m, dl ? NULL : &dst.t, dl ? &dst.t : NULL),
                  err, errlen) ||
-        measure_copy(jb, &dst, &deq, &res[2], err, errlen))
+        measure_copy(jb, &dst.t, &deq, &res[2], err, errlen))
         goto done;
     res[3].ok = 0;
     if (p->dst_mode == FM_SCALE_BLOCK_1x128) {
         fm_quant_config exact = {.rule = FM_SCALE_RULE_EXACT};
         if (api_fail(jb, "fm_quantize (naive, exact scales)",
                      fm_quantize(jb->ctx, &exact, &m, dl ? NULL : &dst.t, dl ? &dst.t : NULL), err, errlen) ||
-            measure_copy(jb, &dst, &deq, &res[3], err, errlen))
+            measure_copy(jb, &dst.t, &deq, &res[3], err, errlen))
             goto done;
     }
     rc = 0;
@@ -775,8 +765,6 @@ done:
     buf_free(&mid);
     return rc;
 }
-
-static double sqnr_db(const result *r);
 
 static void print_repaths(const job *jb)
 {
@@ -790,6 +778,7 @@ static void print_repaths(const job *jb)
     for (int k = 0; k < NREPATHS; k++) {
         result r[4];
         char err[512], cell[3][64];
+        memset(r, 0, sizeof r);
         if (run_repath(jb, &repaths[k], r, err, sizeof err)) {
             printf("%-24s  n/a: %s\n", repaths[k].name, err);
             continue;
@@ -807,7 +796,6 @@ static void print_repaths(const job *jb)
 
 /* ---- output ----------------------------------------------------------------- */
 
-static double sqnr_db(const result *r) { return r->noise > 0 ? 10.0 * log10(r->sig / r->noise) : INFINITY; }
 static double frac(int64_t a, int64_t b) { return b > 0 ? (double)a / (double)b : 0.0; }
 
 /* Percentages that stay honest at both ends: a non-zero count never prints 0. */
