@@ -157,6 +157,17 @@ const char *fm_op_name(fm_op op)
     case FM_OP_SCALE_LAYOUT_CONVERT: return "scale_layout_convert";
     case FM_OP_TRANSPOSE_SCALED: return "transpose_scaled";
     case FM_OP_CONVERT_SCALED: return "convert_scaled";
+    case FM_OP_TRANSPOSE_SCALED_GROUPED: return "transpose_scaled_grouped";
+    case FM_OP_GEMM: return "gemm";
+    case FM_OP_GROUPED_GEMM: return "grouped_gemm";
+    case FM_OP_GROUPED_GEMM_WGRAD: return "grouped_gemm_wgrad";
+    case FM_OP_MOE_ROUTER: return "moe_router";
+    case FM_OP_MOE_ROUTER_BACKWARD: return "moe_router_backward";
+    case FM_OP_MOE_PERMUTE: return "moe_permute";
+    case FM_OP_MOE_UNPERMUTE: return "moe_unpermute";
+    case FM_OP_MOE_UNPERMUTE_BACKWARD: return "moe_unpermute_backward";
+    case FM_OP_MOE_SWIGLU: return "moe_swiglu";
+    case FM_OP_MOE_SWIGLU_BACKWARD: return "moe_swiglu_backward";
     default: return "unknown";
     }
 }

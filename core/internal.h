@@ -21,6 +21,34 @@ typedef struct fm_backend {
     void (*destroy)(fm_context *ctx);
     /* fm_transpose_scaled and fm_convert_scaled: one re-encoding op. */
     fm_status (*requantize)(fm_context *ctx, const fm_requant_config *cfg, const fm_tensor *in, fm_tensor *out);
+    /* fm_transpose_scaled_grouped. */
+    fm_status (*requantize_grouped)(fm_context *ctx, const fm_requant_config *cfg, const fm_splits *splits,
+                                    const fm_tensor *in, fm_tensor *out);
+    /* fm_gemm and the fm_linear_* entry points (core hands over A [M,K], B [N,K]). */
+    fm_status (*gemm)(fm_context *ctx, const fm_gemm_config *cfg, const fm_tensor *a, const fm_tensor *b,
+                      fm_tensor *d);
+    fm_status (*grouped_gemm)(fm_context *ctx, const fm_gemm_config *cfg, const fm_splits *splits,
+                              const fm_tensor *a, const fm_tensor *b, fm_tensor *d);
+    fm_status (*grouped_gemm_wgrad)(fm_context *ctx, const fm_gemm_config *cfg, const fm_splits *splits,
+                                    const fm_tensor *dy, const fm_tensor *x, fm_tensor *dw);
+    fm_status (*moe_router)(fm_context *ctx, const fm_router_config *cfg, const fm_tensor *logits,
+                            fm_tensor *expert_ids, fm_tensor *probs, fm_tensor *tokens_per_expert);
+    fm_status (*moe_router_backward)(fm_context *ctx, const fm_router_config *cfg, const fm_tensor *logits,
+                                     const fm_tensor *expert_ids, const fm_tensor *dprobs, fm_tensor *dlogits);
+    fm_status (*moe_permute)(fm_context *ctx, const fm_permute_config *cfg, const fm_tensor *x,
+                             const fm_tensor *expert_ids, const fm_tensor *probs, fm_tensor *out,
+                             fm_tensor *row_map, fm_tensor *slot_rows, fm_tensor *splits, fm_tensor *out_probs,
+                             int64_t *host_splits);
+    fm_status (*moe_unpermute)(fm_context *ctx, const fm_tensor *y, const fm_tensor *slot_rows,
+                               const fm_tensor *probs, fm_tensor *out);
+    fm_status (*moe_unpermute_backward)(fm_context *ctx, const fm_tensor *dout, const fm_tensor *y,
+                                        const fm_tensor *row_map, const fm_tensor *slot_rows,
+                                        const fm_tensor *probs, fm_tensor *dy, fm_tensor *dprobs);
+    fm_status (*moe_swiglu)(fm_context *ctx, const fm_quant_config *cfg, const fm_tensor *in,
+                            const fm_tensor *probs, fm_tensor *out_row, fm_tensor *out_col);
+    fm_status (*moe_swiglu_backward)(fm_context *ctx, const fm_quant_config *cfg, const fm_tensor *dh,
+                                     const fm_tensor *in, const fm_tensor *probs, fm_tensor *din_row,
+                                     fm_tensor *din_col, fm_tensor *dprobs);
 } fm_backend;
 
 struct fm_context {

@@ -36,6 +36,16 @@ fm_tensor fm_tensor_quant_2d(void *data, fm_dtype dtype, int64_t rows, int64_t c
     return t;
 }
 
+fm_tensor fm_tensor_t(const fm_tensor *t)
+{
+    fm_tensor v = *t;
+    int r = t->ndim == 3 ? 1 : 0;
+    v.shape[r] = t->shape[r + 1];
+    v.shape[r + 1] = t->shape[r];
+    v.layout = t->layout == FM_LAYOUT_ROWWISE ? FM_LAYOUT_COLWISE : FM_LAYOUT_ROWWISE;
+    return v;
+}
+
 #define FM_MAX_DIM ((int64_t)INT32_MAX)
 #define FM_MAX_NUMEL ((int64_t)1 << 56)
 

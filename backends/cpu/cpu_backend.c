@@ -21,6 +21,17 @@ const fm_backend fm_cpu_backend = {
     /* .set_stream           = */ NULL,
     /* .destroy              = */ NULL,
     /* .requantize           = */ fm_cpu_requantize,
+    /* .requantize_grouped    = */ NULL,
+    /* .gemm                  = */ NULL,
+    /* .grouped_gemm          = */ NULL,
+    /* .grouped_gemm_wgrad    = */ NULL,
+    /* .moe_router            = */ NULL,
+    /* .moe_router_backward   = */ NULL,
+    /* .moe_permute           = */ NULL,
+    /* .moe_unpermute         = */ NULL,
+    /* .moe_unpermute_backward= */ NULL,
+    /* .moe_swiglu            = */ NULL,
+    /* .moe_swiglu_backward   = */ NULL,
 };
 
 fm_status fm_cpu_backend_init(fm_context *ctx, const fm_context_config *cfg)

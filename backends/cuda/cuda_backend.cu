@@ -122,6 +122,17 @@ static const fm_backend cuda_backend = {
     /* .set_stream           = */ cuda_set_stream,
     /* .destroy              = */ cuda_destroy,
     /* .requantize           = */ fm_cuda_requantize,
+    /* .requantize_grouped    = */ NULL,
+    /* .gemm                  = */ NULL,
+    /* .grouped_gemm          = */ NULL,
+    /* .grouped_gemm_wgrad    = */ NULL,
+    /* .moe_router            = */ NULL,
+    /* .moe_router_backward   = */ NULL,
+    /* .moe_permute           = */ NULL,
+    /* .moe_unpermute         = */ NULL,
+    /* .moe_unpermute_backward= */ NULL,
+    /* .moe_swiglu            = */ NULL,
+    /* .moe_swiglu_backward   = */ NULL,
 };
 
 fm_status fm_cuda_backend_init(fm_context *ctx, const fm_context_config *cfg)

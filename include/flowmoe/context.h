@@ -54,7 +54,18 @@ typedef enum fm_op {
     FM_OP_SCALE_LAYOUT_CONVERT,
     FM_OP_TRANSPOSE_SCALED,
     FM_OP_CONVERT_SCALED,
-    FM_OP_COUNT_ = 16          /* room for later ops; the array below has this size */
+    FM_OP_TRANSPOSE_SCALED_GROUPED,
+    FM_OP_GEMM,                /* fm_gemm and fm_linear_* */
+    FM_OP_GROUPED_GEMM,
+    FM_OP_GROUPED_GEMM_WGRAD,
+    FM_OP_MOE_ROUTER,
+    FM_OP_MOE_ROUTER_BACKWARD,
+    FM_OP_MOE_PERMUTE,
+    FM_OP_MOE_UNPERMUTE,
+    FM_OP_MOE_UNPERMUTE_BACKWARD,
+    FM_OP_MOE_SWIGLU,
+    FM_OP_MOE_SWIGLU_BACKWARD,
+    FM_OP_COUNT_ = 32          /* room for later ops; the array below has this size */
 } fm_op;
 
 typedef struct fm_stats {

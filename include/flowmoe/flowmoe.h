@@ -8,6 +8,8 @@
 #include "flowmoe/format.h"
 #include "flowmoe/quant.h"
 #include "flowmoe/transpose.h"
+#include "flowmoe/gemm.h"
+#include "flowmoe/moe.h"
 
 #define FLOWMOE_VERSION_MAJOR 0
 #define FLOWMOE_VERSION_MINOR 1

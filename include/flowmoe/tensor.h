@@ -33,6 +33,17 @@ typedef struct fm_tensor {
     int64_t scale_capacity;
 } fm_tensor;
 
+/* Ragged groups (experts) along the rows of a tensor: group g owns rows
+ * [sum(rows[0..g)), sum(rows[0..g])). `host` is needed by every CPU op and by
+ * CUDA ops that must know the sizes when they launch; `device` (CUDA, same
+ * values) lets kernels read them without a host synchronisation. Ops say which
+ * they need. Group sizes may be 0 (an empty expert). */
+typedef struct fm_splits {
+    int64_t groups;          /* number of groups E (>= 1) */
+    const int64_t *host;     /* [groups] rows per group in host memory, or NULL */
+    const int64_t *device;   /* [groups] the same in device memory, or NULL */
+} fm_splits;
+
 /* Convenience constructors: fill a descriptor, nothing else. */
 fm_tensor fm_tensor_2d(void *data, fm_dtype dtype, int64_t rows, int64_t cols);
 fm_tensor fm_tensor_3d(void *data, fm_dtype dtype, int64_t experts, int64_t rows, int64_t cols);
@@ -40,6 +51,11 @@ fm_tensor fm_tensor_3d(void *data, fm_dtype dtype, int64_t experts, int64_t rows
 fm_tensor fm_tensor_quant_2d(void *data, fm_dtype dtype, int64_t rows, int64_t cols,
                              fm_layout layout, fm_scale_mode mode, void *scale,
                              fm_scale_layout scale_layout);
+
+/* The transposed view: a column-wise [r, c] tensor is, byte for byte, the
+ * row-wise [c, r] tensor (and the other way round); scales are unchanged
+ * because blocks always run along the stored dimension. */
+fm_tensor fm_tensor_t(const fm_tensor *t);
 
 /* Sizes. Each returns -1 when the descriptor's shape is not valid (negative,
  * overflowing, wrong ndim); they never touch the data. */
@@ -50,6 +66,11 @@ int64_t fm_tensor_scale_nbytes(const fm_tensor *t);
 int64_t fm_tensor_experts(const fm_tensor *t);      /* 1 for 2-D */
 int64_t fm_tensor_stored_rows(const fm_tensor *t);  /* per matrix, after the layout */
 int64_t fm_tensor_stored_cols(const fm_tensor *t);
+
+/* Scale entries of a tensor in the GROUPED layout over `splits` (each group's
+ * rows stored as its own matrix with its own scale array, one after another;
+ * see fm_transpose_scaled_grouped). Needs splits->host; -1 when invalid. */
+int64_t fm_tensor_grouped_scale_count(const fm_tensor *t, const fm_splits *splits);
 
 /* Element size in bits (4 for E2M1), 0 for an unknown dtype. */
 int fm_dtype_bits(fm_dtype dtype);

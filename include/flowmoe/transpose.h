@@ -51,6 +51,20 @@ fm_status fm_transpose_scaled(fm_context *ctx, const fm_requant_config *cfg, con
  * values, correctly rounded where it does not. */
 fm_status fm_convert_scaled(fm_context *ctx, const fm_requant_config *cfg, const fm_tensor *in, fm_tensor *out);
 
+/* Per-expert scaling-aware transpose, for the k-grouped weight-gradient
+ * GEMM: `in` is [ΣM_i, N] row-wise (the experts' rows contiguous in split
+ * order; same input rules as fm_transpose_scaled); `out` is [ΣM_i, N] in the
+ * GROUPED column-wise layout: expert i's rows become their own column-wise
+ * matrix [N, M_i] (row-major), with their own scale array in out's scale
+ * layout, placed after expert i-1's (data at element offset N·Σ_{j<i} M_j,
+ * scales at the sum of the earlier experts' scale counts). Column blocks
+ * (128x1 or 32x1) therefore never straddle two experts, M_i need not be a
+ * multiple of the block, and an empty expert takes no space. Each expert's
+ * result equals fm_transpose_scaled on its slice alone. Needs splits->host
+ * (the CUDA kernel also reads splits->device when given). */
+fm_status fm_transpose_scaled_grouped(fm_context *ctx, const fm_requant_config *cfg, const fm_splits *splits,
+                                      const fm_tensor *in, fm_tensor *out);
+
 #ifdef __cplusplus
 }
 #endif
