@@ -168,6 +168,8 @@ const char *fm_op_name(fm_op op)
     case FM_OP_MOE_UNPERMUTE_BACKWARD: return "moe_unpermute_backward";
     case FM_OP_MOE_SWIGLU: return "moe_swiglu";
     case FM_OP_MOE_SWIGLU_BACKWARD: return "moe_swiglu_backward";
+    case FM_OP_CAST: return "cast";
+    case FM_OP_QUANTIZE_GROUPED: return "quantize_grouped";
     default: return "unknown";
     }
 }

@@ -47,6 +47,19 @@ void *fm_context_stream(const fm_context *ctx);
 /* Waits for every op queued on the context's stream (no-op on CPU). */
 fm_status fm_context_synchronize(fm_context *ctx);
 
+/* Memory in the context's own device: malloc on the CPU backend, cudaMalloc
+ * on CUDA; at least 256-byte aligned. The trainer may use it for its tensors
+ * (it owns what it allocates; fm_context_free releases it). */
+fm_status fm_context_alloc(fm_context *ctx, size_t bytes, void **out);
+void fm_context_free(fm_context *ctx, void *p);
+/* Copy `bytes` from src to dst, each on the host or in the context's memory
+ * (`*_device` says which). Queued on the context's stream; a copy that
+ * involves host memory has completed when the call returns. */
+fm_status fm_context_copy(fm_context *ctx, void *dst, fm_device dst_device, const void *src, fm_device src_device,
+                          size_t bytes);
+/* Set `bytes` bytes of context memory to `value` (queued on the stream). */
+fm_status fm_context_memset(fm_context *ctx, void *p, int value, size_t bytes);
+
 /* Op counters, one per public op. */
 typedef enum fm_op {
     FM_OP_QUANTIZE = 0,
@@ -65,6 +78,8 @@ typedef enum fm_op {
     FM_OP_MOE_UNPERMUTE_BACKWARD,
     FM_OP_MOE_SWIGLU,
     FM_OP_MOE_SWIGLU_BACKWARD,
+    FM_OP_CAST,                /* fm_cast: between F32, BF16 and F16, unscaled */
+    FM_OP_QUANTIZE_GROUPED,
     FM_OP_COUNT_ = 32          /* room for later ops; the array below has this size */
 } fm_op;
 

@@ -10,6 +10,7 @@
 #include "flowmoe/transpose.h"
 #include "flowmoe/gemm.h"
 #include "flowmoe/moe.h"
+#include "flowmoe/layer.h"
 
 #define FLOWMOE_VERSION_MAJOR 0
 #define FLOWMOE_VERSION_MINOR 1

@@ -41,6 +41,20 @@ fm_status fm_dequantize(fm_context *ctx, const fm_tensor *in, fm_tensor *out);
  * 1.0 (E8M0 127). */
 fm_status fm_scale_layout_convert(fm_context *ctx, const fm_tensor *src, fm_tensor *dst);
 
+/* fm_quantize over ragged groups of rows (experts), for operands of the
+ * k-grouped weight-gradient GEMM: `in` is [ΣM_i, C] row-wise with the groups'
+ * rows contiguous in split order (needs splits->host). The row-wise output is
+ * laid out as fm_quantize would write it for the whole tensor; the
+ * column-wise output is in the GROUPED layout of fm_transpose_scaled_grouped
+ * (group i's rows quantized as their own column-wise matrix [C, M_i], blocks
+ * restarting at every group). One explicit cast, whatever the group count. */
+fm_status fm_quantize_grouped(fm_context *ctx, const fm_quant_config *cfg, const fm_splits *splits,
+                              const fm_tensor *in, fm_tensor *out_rowwise, fm_tensor *out_colwise);
+
+/* Unscaled conversion between F32, BF16 and F16 (same shape, any layouts,
+ * RNE, NaN kept): no block scales involved, so not counted as an FP8 cast. */
+fm_status fm_cast(fm_context *ctx, const fm_tensor *in, fm_tensor *out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,101 @@
+/* flowmoe — a whole MoE layer, forward and backward, in four recipes.
+ *
+ *   y = Σ_{j<k} p_tj · W2_e · swiglu(W1_e · x_t),  e = the j-th chosen expert
+ *   (router: logits = x · Wrᵀ, then fm_moe_router)
+ *
+ * The caller owns the F32 master weights and their F32 gradients, in the
+ * context's memory (device memory on CUDA). The layer owns its working
+ * memory, sized at creation for up to cfg->max_tokens tokens, so a step
+ * allocates nothing. Low-precision weight copies are refreshed by
+ * fm_moe_layer_refresh_weights (once per optimizer step); those casts are
+ * counted apart from the per-step ones (fm_moe_layer_info).
+ *
+ * Recipes (what each GEMM eats and what is saved for backward):
+ *   BF16            BF16 GEMMs throughout; saves the BF16 GEMM inputs.
+ *   FP8_BLOCKWISE   the usual FP8 baseline (TransformerEngine's blockwise
+ *                   recipe): every FP8 GEMM operand quantized from BF16 for
+ *                   its row-wise and column-wise use separately.
+ *   FP8_FLOW        FP8-Flow-MoE: x quantized once before dispatch, dy once
+ *                   in backward; permute, SwiGLU, dSwiGLU and the column-wise
+ *                   copies stay in FP8 (fused ops, scaling-aware transposes).
+ *   FP8_FLOW_FP4    FP8_FLOW with the dispatch payload and the activations
+ *                   saved for backward in MXFP4, through direct conversions.
+ * FP8 recipes use E4M3 BLOCK_1x128 power-of-two activations and gradients,
+ * E4M3 BLOCK_128x128 weights, and pad each expert to 128 rows. */
+#ifndef FLOWMOE_LAYER_H
+#define FLOWMOE_LAYER_H
+
+#include "flowmoe/context.h"
+#include "flowmoe/moe.h"
+#include "flowmoe/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum fm_recipe {
+    FM_RECIPE_BF16 = 0,
+    FM_RECIPE_FP8_BLOCKWISE,
+    FM_RECIPE_FP8_FLOW,
+    FM_RECIPE_FP8_FLOW_FP4,
+    FM_RECIPE_COUNT
+} fm_recipe;
+
+const char *fm_recipe_name(fm_recipe r);      /* "bf16", "fp8-blockwise", "fp8-flow", "fp8-flow-fp4" */
+int fm_recipe_parse(const char *name, fm_recipe *out); /* 1 on success */
+
+typedef struct fm_moe_layer_config {
+    int64_t hidden;        /* H */
+    int64_t ffn;           /* I, each expert's FFN size */
+    int64_t experts;       /* E */
+    int topk;              /* k in [1, E] */
+    int pad_multiple;      /* rows per expert rounded up to this; 0: 128 for FP8 recipes, 1 for BF16 */
+    fm_router_score score;
+    int renormalize;       /* renormalise the k probabilities */
+    fm_recipe recipe;
+    int64_t max_tokens;    /* the largest T a step may use */
+} fm_moe_layer_config;
+
+/* Caller-owned F32 tensors in the context's memory, row-major. */
+typedef struct fm_moe_weights {
+    float *router;         /* Wr [E, H] */
+    float *w1;             /* W1 [E, 2I, H]: rows [0, I) gate, [I, 2I) up */
+    float *w2;             /* W2 [E, H, I] */
+    /* Gradients, ACCUMULATED into by fm_moe_layer_backward (zero them per step). */
+    float *grad_router;
+    float *grad_w1;
+    float *grad_w2;
+} fm_moe_weights;
+
+typedef struct fm_moe_layer fm_moe_layer;
+
+typedef struct fm_moe_layer_info {
+    int64_t workspace_bytes;       /* what the layer allocated in the context's memory */
+    int64_t saved_bytes;           /* activation bytes the last forward kept for backward */
+    int64_t casts_per_step;        /* explicit casts (fm_quantize / fm_dequantize calls) of the
+                                      last forward + backward, from the context statistics */
+    int64_t casts_per_refresh;     /* casts of the last weight refresh */
+    int64_t routed_rows;           /* T·k of the last forward */
+    int64_t padded_rows;           /* Σ padded M_e of the last forward */
+} fm_moe_layer_info;
+
+/* Workspace bytes a layer with this config would allocate (before creating it). */
+fm_status fm_moe_layer_workspace_size(fm_context *ctx, const fm_moe_layer_config *cfg, int64_t *bytes);
+fm_status fm_moe_layer_create(fm_context *ctx, const fm_moe_layer_config *cfg, fm_moe_layer **out);
+void fm_moe_layer_destroy(fm_moe_layer *layer);
+fm_status fm_moe_layer_get_info(const fm_moe_layer *layer, fm_moe_layer_info *out);
+
+/* Re-derive the low-precision weight copies from the F32 masters. */
+fm_status fm_moe_layer_refresh_weights(fm_moe_layer *layer, const fm_moe_weights *w);
+
+/* x [T, H] F32 -> y [T, H] F32, T <= max_tokens. Saves what backward needs. */
+fm_status fm_moe_layer_forward(fm_moe_layer *layer, const fm_moe_weights *w, const fm_tensor *x, fm_tensor *y);
+
+/* dy [T, H] F32 (same T as the last forward) -> dx [T, H] F32 (router path
+ * included); accumulates into w->grad_*. */
+fm_status fm_moe_layer_backward(fm_moe_layer *layer, const fm_moe_weights *w, const fm_tensor *dy, fm_tensor *dx);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
