@@ -161,8 +161,11 @@ int main(void)
                     sz = e2m1_out ? s_one2 : s_one;
                     G = 4;
                 } else {
-                    for (int g = 0; g < 8; g++)
-                        s_rand[g] = (rnd() % 4 == 0 ? 0 : (int64_t)(rnd() % 400)) & (e2m1_out ? ~(int64_t)1 : ~(int64_t)0);
+                    for (int g = 0; g < 8; g++) {
+                        s_rand[g] = rnd() % 4 == 0 ? 0 : (int64_t)(rnd() % 400);
+                        if (e2m1_out)
+                            s_rand[g] &= ~(int64_t)1;
+                    }
                     sz = s_rand;
                     G = 8;
                 }
