@@ -210,27 +210,6 @@ static fm_tensor row_slice(const fm_tensor *t, int64_t row0, int64_t rows)
     return v;
 }
 
-fm_status fm_check_splits(fm_context *ctx, const fm_splits *s, int64_t rows, const char *what)
-{
-    if (!s)
-        return fm_error(ctx, FM_ERR_INVALID_ARG, "splits: NULL; %s needs the group sizes", what);
-    if (s->groups < 1 || s->groups > ((int64_t)1 << 24))
-        return fm_error(ctx, FM_ERR_INVALID_ARG, "splits->groups: %lld is outside 1..2^24", (long long)s->groups);
-    if (!s->host)
-        return fm_error(ctx, FM_ERR_INVALID_ARG, "splits->host: NULL; %s needs the group sizes on the host", what);
-    int64_t sum = 0;
-    for (int64_t g = 0; g < s->groups; g++) {
-        if (s->host[g] < 0 || s->host[g] > rows)
-            return fm_error(ctx, FM_ERR_INVALID_ARG, "splits->host[%lld]: %lld is outside 0..%lld (the rows)",
-                            (long long)g, (long long)s->host[g], (long long)rows);
-        sum += s->host[g];
-    }
-    if (sum != rows)
-        return fm_error(ctx, FM_ERR_INVALID_ARG, "splits->host: the group sizes add up to %lld, not to the %lld rows",
-                        (long long)sum, (long long)rows);
-    return FM_OK;
-}
-
 fm_status fm_quantize_grouped(fm_context *ctx, const fm_quant_config *cfg_in, const fm_splits *splits,
                               const fm_tensor *in, fm_tensor *out_row, fm_tensor *out_col)
 {
@@ -247,7 +226,7 @@ fm_status fm_quantize_grouped(fm_context *ctx, const fm_quant_config *cfg_in, co
         return st;
     if (in->ndim != 2)
         return fm_error(ctx, FM_ERR_INVALID_ARG, "in: must be 2-D [rows, cols] (the groups split the rows)");
-    if ((st = fm_check_splits(ctx, splits, in->shape[0], "fm_quantize_grouped")))
+    if ((st = fm_check_splits(ctx, splits, "splits", in->shape[0], "in")))
         return st;
     if (!out_row && !out_col)
         return fm_error(ctx, FM_ERR_INVALID_ARG, "out_rowwise, out_colwise: both are NULL; give at least one");
