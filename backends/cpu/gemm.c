@@ -13,7 +13,10 @@
 
 #include "cpu.h"
 
-enum { MR = 4, NR = 4, MC = 64, NB = 64, KC = 128 };
+enum { MR = 4, NR = 8, MC = 64, NB = 64, KC = 128 };
+
+/* c[MR][NR] += a-panel x b-panel over kc (see FM_KERNEL_4x8_BODY). */
+typedef void (*kernel_fn)(const double *a, const double *b, int64_t kc, double *c, int64_t ldc);
 
 /* A [rows, K] operand as the kernel sees it: logical element (r, k) is at
  * element index (r0 + r) * rs + k * cs of data; its scale is found with
@@ -39,6 +42,7 @@ typedef struct {
     int accumulate;
     double *scratch;
     size_t scratch_per_worker;
+    kernel_fn kernel;
 } gjob;
 
 /* Round a double to BF16 once: round to odd into F32 keeps the sticky
@@ -55,13 +59,16 @@ static uint16_t bf16_from_double(double x)
     return fm_bf16_from_f32(f);
 }
 
-static void pack(const gop *o, int64_t r_begin, int64_t nr, int64_t k0, int64_t kc, int64_t rows_pad, double *dst)
+/* Rows [r_begin, r_begin + nr) x k [k0, k0 + kc) of an operand, decoded,
+ * as panels of w rows stored [k][w]; rows past nr up to rows_pad are 0. */
+static void pack(const gop *o, int64_t r_begin, int64_t nr, int64_t k0, int64_t kc, int64_t rows_pad, int w,
+                 double *dst)
 {
     for (int64_t i = 0; i < rows_pad; i++) {
-        double *p = dst + (i / 4) * kc * 4 + (i % 4);
+        double *p = dst + (i / w) * kc * w + (i % w);
         if (i >= nr) {
             for (int64_t k = 0; k < kc; k++)
-                p[k * 4] = 0.0;
+                p[k * w] = 0.0;
             continue;
         }
         int64_t base = (o->r0 + r_begin + i) * o->rs + k0 * o->cs;
@@ -70,46 +77,77 @@ static void pack(const gop *o, int64_t r_begin, int64_t nr, int64_t k0, int64_t 
         case FM_DTYPE_E5M2: {
             const uint8_t *s = (const uint8_t *)o->data + base;
             for (int64_t k = 0; k < kc; k++)
-                p[k * 4] = o->tab[s[k * o->cs]];
+                p[k * w] = o->tab[s[k * o->cs]];
             break;
         }
         case FM_DTYPE_BF16: {
             const uint16_t *s = (const uint16_t *)o->data + base;
             for (int64_t k = 0; k < kc; k++)
-                p[k * 4] = (double)fm_bf16_to_f32(s[k * o->cs]);
+                p[k * w] = (double)fm_bf16_to_f32(s[k * o->cs]);
             break;
         }
         default: {
             const float *s = (const float *)o->data + base;
             for (int64_t k = 0; k < kc; k++)
-                p[k * 4] = (double)s[k * o->cs];
+                p[k * w] = (double)s[k * o->cs];
             break;
         }
         }
     }
 }
 
-/* c[4][ldc] += Σ_k a[k][0..3] ⊗ b[k][0..3], k ascending, one element at a
- * time: the sums stay in the rule's order. */
-static void kernel4x4(const double *a, const double *b, int64_t kc, double *c, int64_t ldc)
-{
-    double c00 = c[0], c01 = c[1], c02 = c[2], c03 = c[3];
-    double c10 = c[ldc], c11 = c[ldc + 1], c12 = c[ldc + 2], c13 = c[ldc + 3];
-    double c20 = c[2 * ldc], c21 = c[2 * ldc + 1], c22 = c[2 * ldc + 2], c23 = c[2 * ldc + 3];
-    double c30 = c[3 * ldc], c31 = c[3 * ldc + 1], c32 = c[3 * ldc + 2], c33 = c[3 * ldc + 3];
-    for (int64_t k = 0; k < kc; k++) {
-        double a0 = a[4 * k], a1 = a[4 * k + 1], a2 = a[4 * k + 2], a3 = a[4 * k + 3];
-        double b0 = b[4 * k], b1 = b[4 * k + 1], b2 = b[4 * k + 2], b3 = b[4 * k + 3];
-        c00 += a0 * b0; c01 += a0 * b1; c02 += a0 * b2; c03 += a0 * b3;
-        c10 += a1 * b0; c11 += a1 * b1; c12 += a1 * b2; c13 += a1 * b3;
-        c20 += a2 * b0; c21 += a2 * b1; c22 += a2 * b2; c23 += a2 * b3;
-        c30 += a3 * b0; c31 += a3 * b1; c32 += a3 * b2; c33 += a3 * b3;
+/* c[4][8] (row stride ldc) += Σ_k a[k][0..3] ⊗ b[k][0..7], k ascending:
+ * each element is its own chain of double multiply then add (no FMA: the
+ * build forbids contraction), so the sums stay in the rule's order whatever
+ * the vector width. */
+#define FM_LD(v, p) memcpy(&(v), (p), sizeof(v4d))
+#define FM_ST(p, v) memcpy((p), &(v), sizeof(v4d))
+#define FM_KERNEL_4x8_BODY                                                                  \
+    {                                                                                       \
+        v4d c00, c01, c10, c11, c20, c21, c30, c31;                                         \
+        FM_LD(c00, c); FM_LD(c01, c + 4);                                                   \
+        FM_LD(c10, c + ldc); FM_LD(c11, c + ldc + 4);                                       \
+        FM_LD(c20, c + 2 * ldc); FM_LD(c21, c + 2 * ldc + 4);                               \
+        FM_LD(c30, c + 3 * ldc); FM_LD(c31, c + 3 * ldc + 4);                               \
+        for (int64_t k = 0; k < kc; k++) {                                                  \
+            v4d b0, b1;                                                                     \
+            FM_LD(b0, b + 8 * k); FM_LD(b1, b + 8 * k + 4);                                 \
+            v4d z = {0.0, 0.0, 0.0, 0.0};                                                   \
+            v4d a0 = z + a[4 * k], a1 = z + a[4 * k + 1];                                   \
+            v4d a2 = z + a[4 * k + 2], a3 = z + a[4 * k + 3];                               \
+            c00 += a0 * b0; c01 += a0 * b1;                                                 \
+            c10 += a1 * b0; c11 += a1 * b1;                                                 \
+            c20 += a2 * b0; c21 += a2 * b1;                                                 \
+            c30 += a3 * b0; c31 += a3 * b1;                                                 \
+        }                                                                                   \
+        FM_ST(c, c00); FM_ST(c + 4, c01);                                                   \
+        FM_ST(c + ldc, c10); FM_ST(c + ldc + 4, c11);                                       \
+        FM_ST(c + 2 * ldc, c20); FM_ST(c + 2 * ldc + 4, c21);                               \
+        FM_ST(c + 3 * ldc, c30); FM_ST(c + 3 * ldc + 4, c31);                               \
     }
-    c[0] = c00; c[1] = c01; c[2] = c02; c[3] = c03;
-    c[ldc] = c10; c[ldc + 1] = c11; c[ldc + 2] = c12; c[ldc + 3] = c13;
-    c[2 * ldc] = c20; c[2 * ldc + 1] = c21; c[2 * ldc + 2] = c22; c[2 * ldc + 3] = c23;
-    c[3 * ldc] = c30; c[3 * ldc + 1] = c31; c[3 * ldc + 2] = c32; c[3 * ldc + 3] = c33;
+
+#if defined(__GNUC__) && defined(__x86_64__)
+/* GNU vector extension: plain SSE2 lanes by default, AVX2 where the CPU has
+ * it (chosen once per call); both compute the same IEEE operations. */
+typedef double v4d __attribute__((vector_size(32)));
+static void kernel4x8(const double *a, const double *b, int64_t kc, double *c, int64_t ldc) FM_KERNEL_4x8_BODY
+__attribute__((target("avx2"))) static void kernel4x8_avx2(const double *a, const double *b, int64_t kc, double *c,
+                                                           int64_t ldc) FM_KERNEL_4x8_BODY
+static kernel_fn pick_kernel(void)
+{
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") ? kernel4x8_avx2 : kernel4x8;
 }
+#else
+static void kernel4x8(const double *a, const double *b, int64_t kc, double *c, int64_t ldc)
+{
+    for (int64_t k = 0; k < kc; k++)
+        for (int i = 0; i < 4; i++)
+            for (int jj = 0; jj < 8; jj++)
+                c[i * ldc + jj] += a[4 * k + i] * b[8 * k + jj];
+}
+static kernel_fn pick_kernel(void) { return kernel4x8; }
+#endif
 
 static double scale_at(const gop *o, int64_t r, int64_t k)
 {
@@ -136,11 +174,11 @@ static void run_rows(void *arg, int64_t m0, int64_t m1, int worker)
                     blk[i] = 0.0;
                 for (int64_t k0 = kb0; k0 < kb1; k0 += KC) {
                     int64_t kc = kb1 - k0 < KC ? kb1 - k0 : KC;
-                    pack(&j->a, mc0, mr, k0, kc, mpad, ap);
-                    pack(&j->b, n0, nr, k0, kc, npad, bp);
+                    pack(&j->a, mc0, mr, k0, kc, mpad, MR, ap);
+                    pack(&j->b, n0, nr, k0, kc, npad, NR, bp);
                     for (int64_t i = 0; i < mpad; i += MR)
                         for (int64_t jj = 0; jj < npad; jj += NR)
-                            kernel4x4(ap + i * kc, bp + jj * kc, kc, blk + i * NB + jj, NB);
+                            j->kernel(ap + i * kc, bp + jj * kc, kc, blk + i * NB + jj, NB);
                 }
                 for (int64_t i = 0; i < mr; i++)
                     sa[i] = scale_at(&j->a, mc0 + i, kb0);
@@ -210,6 +248,7 @@ static fm_status job_init(fm_context *ctx, gjob *j, const fm_gemm_config *cfg, f
         return fm_error(ctx, FM_ERR_OUT_OF_MEMORY, "%s: out of host memory for %d workers' panels", op, workers);
     j->ddt = d->dtype;
     j->accumulate = cfg->accumulate;
+    j->kernel = pick_kernel();
     return FM_OK;
 }
 
