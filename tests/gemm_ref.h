@@ -92,6 +92,9 @@ static void gr_make(gr_op *o, fm_dtype dt, fm_scale_mode mode, fm_scale_layout s
                     int64_t rows, int64_t K, int kind)
 {
     memset(o, 0, sizeof *o);
+    int stack = E < 0; /* E < 0: a 3-D stack of -E matrices, even of one */
+    if (stack)
+        E = -E;
     o->dt = dt;
     o->mode = mode;
     o->sl = sl;
@@ -123,7 +126,7 @@ static void gr_make(gr_op *o, fm_dtype dt, fm_scale_mode mode, fm_scale_layout s
                         *p = (float)gr_scale_value(kind);
                 }
     }
-    o->t = E == 1 ? fm_tensor_2d(o->data, dt, rows, K) : fm_tensor_3d(o->data, dt, E, rows, K);
+    o->t = E == 1 && !stack ? fm_tensor_2d(o->data, dt, rows, K) : fm_tensor_3d(o->data, dt, E, rows, K);
     o->t.layout = layout;
     o->t.scale_mode = mode;
     o->t.scale = o->scale;
