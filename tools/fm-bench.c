@@ -1,5 +1,6 @@
 /* fm-bench: speed of the CUDA backend's memory-bound ops, as a fraction of
- * the device-to-device copy bandwidth measured in the same run.
+ * the device-to-device copy bandwidth measured in the same run; then the
+ * GEMMs in TFLOP/s, next to a plain cuBLASLt BF16 call for scale.
  *
  * Each case: inputs rotated among buffers whose total exceeds L2 (so no rep
  * reads what the last one left in cache), warm-up, then many repetitions
@@ -25,6 +26,7 @@
 #include "flowmoe/flowmoe.h"
 
 #ifdef FM_HAVE_CUDA
+#include <cublasLt.h>
 #include <cuda_runtime.h>
 
 #define CK(x)                                                                                      \
@@ -249,6 +251,238 @@ static void free_t(fm_tensor *t)
     t->data = t->scale = NULL;
 }
 
+/* ---- GEMMs: TFLOP/s of the cuBLASLt paths, and plain cuBLASLt for scale ---- */
+
+typedef enum { G_DENSE, G_GROUPED, G_WGRAD, G_LT_BF16 } gemm_kind;
+
+typedef struct gcase {
+    const char *name;
+    gemm_kind kind;
+    int64_t E, M, N, K; /* dense/grouped: D [M, N] = A [M, K] · B [N, K]ᵀ (M = sum M_i); wgrad: dW [E, N, K] over sum M */
+    fm_dtype elem;      /* E4M3 or BF16 */
+    fm_scale_mode ma, mb;
+    fm_dtype out;
+    int accumulate;
+} gcase;
+
+static const gcase gcases[] = {
+    {"gemm E4M3 1x128 x 128x128 -> BF16", G_DENSE, 1, 8192, 8192, 8192, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_BF16, 0},
+    {"gemm BF16 -> BF16", G_DENSE, 1, 8192, 8192, 8192, FM_DTYPE_BF16, FM_SCALE_NONE, FM_SCALE_NONE, FM_DTYPE_BF16, 0},
+    {"plain cuBLASLt BF16 -> BF16 (baseline, not flowmoe)", G_LT_BF16, 1, 8192, 8192, 8192, FM_DTYPE_BF16, FM_SCALE_NONE, FM_SCALE_NONE, FM_DTYPE_BF16, 0},
+    {"grouped_gemm E4M3 1x128 x 128x128 -> BF16, E=8", G_GROUPED, 8, 32768, 4096, 7168, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_BF16, 0},
+    {"grouped_gemm BF16 -> BF16, E=8", G_GROUPED, 8, 32768, 4096, 7168, FM_DTYPE_BF16, FM_SCALE_NONE, FM_SCALE_NONE, FM_DTYPE_BF16, 0},
+    {"grouped_gemm_wgrad E4M3 1x128 x 1x128 -> F32 +=, E=8", G_WGRAD, 8, 32768, 4096, 7168, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_1x128, FM_DTYPE_F32, 1},
+    {"grouped_gemm_wgrad BF16 -> F32 +=, E=8", G_WGRAD, 8, 32768, 4096, 7168, FM_DTYPE_BF16, FM_SCALE_NONE, FM_SCALE_NONE, FM_DTYPE_F32, 1},
+};
+#define NGCASES (int)(sizeof gcases / sizeof gcases[0])
+
+typedef struct gresult {
+    const char *name;
+    char shape[64];
+    double ms, tflops;
+    int ok;
+} gresult;
+
+/* Device data of t: finite FP8 codes, or activation-like BF16. */
+static void fill_codes(void *d, fm_dtype t, int64_t n)
+{
+    if (t != FM_DTYPE_E4M3) {
+        fill_device(d, t, (size_t)n);
+        return;
+    }
+    size_t chunk = (size_t)1 << 24;
+    uint8_t *h = malloc(chunk);
+    for (size_t i = 0; i < chunk; i++)
+        h[i] = (uint8_t)(rnd() & 0xBF); /* exponent field never all ones: no NaN */
+    for (int64_t off = 0; off < n; off += (int64_t)chunk)
+        CK(cudaMemcpy((char *)d + off, h, (size_t)(n - off < (int64_t)chunk ? n - off : (int64_t)chunk),
+                      cudaMemcpyHostToDevice));
+    free(h);
+}
+
+static void fill_ones(float *d, int64_t n)
+{
+    float *h = malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+    for (int64_t i = 0; i < n; i++)
+        h[i] = 1.0f;
+    CK(cudaMemcpy(d, h, sizeof(float) * (size_t)n, cudaMemcpyHostToDevice));
+    free(h);
+}
+
+static fm_tensor gdesc(fm_dtype t, fm_scale_mode m, fm_layout lay, int64_t e, int64_t r, int64_t c)
+{
+    fm_tensor d = e > 0 ? fm_tensor_3d(NULL, t, e, r, c) : fm_tensor_2d(NULL, t, r, c);
+    d.device = FM_DEVICE_CUDA;
+    d.layout = lay;
+    d.scale_mode = m;
+    d.scale_dtype = FM_DTYPE_F32;
+    d.scale_layout = FM_SCALE_LAYOUT_GEMM;
+    d.data = dalloc(fm_tensor_nbytes(&d));
+    fill_codes(d.data, t, fm_tensor_numel(&d));
+    if (m) {
+        int64_t n = fm_tensor_scale_count(&d);
+        d.scale = dalloc(n * 4);
+        fill_ones(d.scale, n);
+    }
+    return d;
+}
+
+typedef struct {
+    fm_context *ctx;
+    const gcase *c;
+    fm_tensor a, b, d;
+    fm_splits sp;
+    int64_t splits[16];
+    /* plain cuBLASLt */
+    cublasLtHandle_t lt;
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t la, lb, ld;
+    cublasLtMatmulAlgo_t algo;
+    void *ws;
+    size_t ws_bytes;
+    cudaStream_t s;
+    int failed;
+} grun;
+
+static void grun_fn(void *p, int rep)
+{
+    grun *g = p;
+    (void)rep;
+    fm_gemm_config cfg = {.accumulate = g->c->accumulate};
+    fm_status st = FM_OK;
+    if (g->c->kind == G_DENSE)
+        st = fm_gemm(g->ctx, &cfg, &g->a, &g->b, &g->d);
+    else if (g->c->kind == G_GROUPED)
+        st = fm_grouped_gemm(g->ctx, &cfg, &g->sp, &g->a, &g->b, &g->d);
+    else if (g->c->kind == G_WGRAD)
+        st = fm_grouped_gemm_wgrad(g->ctx, &cfg, &g->sp, &g->a, &g->b, &g->d);
+    else {
+        float alpha = 1.0f, beta = 0.0f;
+        cublasStatus_t cs = cublasLtMatmul(g->lt, g->desc, &alpha, g->b.data, g->la, g->a.data, g->lb, &beta,
+                                           g->d.data, g->ld, g->d.data, g->ld, &g->algo, g->ws, g->ws_bytes, g->s);
+        if (cs != CUBLAS_STATUS_SUCCESS && !g->failed) {
+            fprintf(stderr, "fm-bench: %s: cublasLtMatmul: %s\n", g->c->name, cublasLtGetStatusString(cs));
+            g->failed = 1;
+        }
+        return;
+    }
+    if (st != FM_OK && !g->failed) {
+        fprintf(stderr, "fm-bench: %s: %s\n", g->c->name, fm_last_error(g->ctx));
+        g->failed = 1;
+    }
+}
+
+/* Plain cuBLASLt BF16 TN, row-major D = A · Bᵀ, best heuristic algorithm. */
+static int lt_setup(grun *g)
+{
+    const gcase *c = g->c;
+    cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    cublasLtMatmulPreference_t pref;
+    cublasLtMatmulHeuristicResult_t res;
+    int found = 0;
+    g->ws_bytes = (size_t)32 << 20;
+    g->ws = dalloc((int64_t)g->ws_bytes);
+    if (cublasLtCreate(&g->lt) != CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatmulDescCreate(&g->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatmulDescSetAttribute(g->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta) != CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatmulDescSetAttribute(g->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb) != CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatrixLayoutCreate(&g->la, CUDA_R_16BF, (uint64_t)c->K, (uint64_t)c->N, c->K) != CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatrixLayoutCreate(&g->lb, CUDA_R_16BF, (uint64_t)c->K, (uint64_t)c->M, c->K) != CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatrixLayoutCreate(&g->ld, CUDA_R_16BF, (uint64_t)c->N, (uint64_t)c->M, c->N) != CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS)
+        return 0;
+    uint64_t wsb = g->ws_bytes;
+    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &wsb, sizeof wsb);
+    cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(g->lt, g->desc, g->la, g->lb, g->ld, g->ld, pref, 1, &res,
+                                                       &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (hs != CUBLAS_STATUS_SUCCESS || !found)
+        return 0;
+    g->algo = res.algo;
+    return 1;
+}
+
+static void lt_teardown(grun *g)
+{
+    if (!g->lt)
+        return;
+    cublasLtMatrixLayoutDestroy(g->la);
+    cublasLtMatrixLayoutDestroy(g->lb);
+    cublasLtMatrixLayoutDestroy(g->ld);
+    cublasLtMatmulDescDestroy(g->desc);
+    cublasLtDestroy(g->lt);
+    cudaFree(g->ws);
+}
+
+static void gfree(fm_tensor *t)
+{
+    if (t->data)
+        cudaFree(t->data);
+    if (t->scale_mode && t->scale)
+        cudaFree(t->scale);
+}
+
+static int bench_gemms(fm_context *ctx, cudaStream_t s, const char *filter, gresult *out)
+{
+    int n = 0;
+    for (int ci = 0; ci < NGCASES; ci++) {
+        const gcase *c = &gcases[ci];
+        if (filter && !strstr(c->name, filter))
+            continue;
+        grun g;
+        memset(&g, 0, sizeof g);
+        g.ctx = ctx;
+        g.c = c;
+        g.s = s;
+        g.sp.groups = c->E;
+        g.sp.host = g.splits;
+        for (int64_t e = 0; e < c->E; e++)
+            g.splits[e] = c->M / c->E;
+        if (c->kind == G_WGRAD) { /* dY [sum M, N], X [sum M, K] (grouped column-wise for FP8) -> dW [E, N, K] */
+            fm_layout lay = c->ma ? FM_LAYOUT_COLWISE : FM_LAYOUT_ROWWISE;
+            g.a = gdesc(c->elem, c->ma, lay, 0, c->M, c->N);
+            g.b = gdesc(c->elem, c->mb, lay, 0, c->M, c->K);
+            if (c->ma) { /* the grouped layout holds one scale array per expert */
+                int64_t per_a = fm_scale_count_2d(c->ma, FM_SCALE_LAYOUT_GEMM, c->N, c->M / c->E);
+                int64_t per_b = fm_scale_count_2d(c->mb, FM_SCALE_LAYOUT_GEMM, c->K, c->M / c->E);
+                cudaFree(g.a.scale);
+                cudaFree(g.b.scale);
+                g.a.scale = dalloc(per_a * c->E * 4);
+                g.b.scale = dalloc(per_b * c->E * 4);
+                fill_ones(g.a.scale, per_a * c->E);
+                fill_ones(g.b.scale, per_b * c->E);
+            }
+            g.d = gdesc(c->out, FM_SCALE_NONE, FM_LAYOUT_ROWWISE, c->E, c->N, c->K);
+        } else {
+            g.a = gdesc(c->elem, c->ma, FM_LAYOUT_ROWWISE, 0, c->M, c->K);
+            g.b = gdesc(c->elem, c->mb, FM_LAYOUT_ROWWISE, c->kind == G_GROUPED ? c->E : 0, c->N, c->K);
+            g.d = gdesc(c->out, FM_SCALE_NONE, FM_LAYOUT_ROWWISE, 0, c->M, c->N);
+        }
+        if (c->kind == G_LT_BF16 && !lt_setup(&g)) {
+            fprintf(stderr, "fm-bench: %s: cuBLASLt set-up failed\n", c->name);
+            g.failed = 1;
+        }
+        float ms = g.failed ? 0.0f : time_median(grun_fn, &g, s);
+        CK(cudaGetLastError());
+        gresult *r = &out[n++];
+        r->name = c->name;
+        if (c->kind == G_DENSE || c->kind == G_LT_BF16)
+            snprintf(r->shape, sizeof r->shape, "%lldx%lldx%lld", (long long)c->M, (long long)c->N, (long long)c->K);
+        else
+            snprintf(r->shape, sizeof r->shape, "E%lld sumM %lld N %lld K %lld", (long long)c->E, (long long)c->M,
+                     (long long)c->N, (long long)c->K);
+        r->ms = ms;
+        r->tflops = ms > 0 ? 2.0 * (double)c->M * (double)c->N * (double)c->K / (ms * 1e-3) / 1e12 : 0;
+        r->ok = !g.failed;
+        fprintf(stderr, "fm-bench: %-60s %8.1f us %7.1f TFLOP/s\n", c->name, ms * 1e3, r->tflops);
+        lt_teardown(&g);
+        gfree(&g.a);
+        gfree(&g.b);
+        gfree(&g.d);
+    }
+    return n;
+}
+
 typedef struct result {
     const char *name;
     char shape[64];
@@ -409,6 +643,9 @@ int main(int argc, char **argv)
         }
     }
 
+    gresult gres[NGCASES];
+    int ngres = bench_gemms(ctx, s, filter, gres);
+
     /* The scaling-aware transpose against the BF16 round trip it replaces. */
     double speedup = 0;
     {
@@ -440,6 +677,11 @@ int main(int argc, char **argv)
                    r->name, r->shape, r->bytes, r->ms * 1e3, r->gbs, r->frac, r->target, r->ok ? "true" : "false",
                    i + 1 < nres ? "," : "");
         }
+        printf("  ],\n  \"gemm_cases\": [\n");
+        for (int i = 0; i < ngres; i++)
+            printf("    {\"name\": \"%s\", \"shape\": \"%s\", \"median_us\": %.2f, \"tflops\": %.1f, \"ok\": %s}%s\n",
+                   gres[i].name, gres[i].shape, gres[i].ms * 1e3, gres[i].tflops, gres[i].ok ? "true" : "false",
+                   i + 1 < ngres ? "," : "");
         printf("  ]\n}\n");
     } else {
         printf("## fm-bench on %s (%d SMs, L2 %d MiB), %s\n\n", prop.name, prop.multiProcessorCount,
@@ -460,6 +702,12 @@ int main(int argc, char **argv)
             printf("\nScaling-aware transpose (E4M3 1x128 row->col) vs the naive BF16 round trip (dequantize, then "
                    "quantize column-wise): **%.2fx** faster\n",
                    speedup);
+        if (ngres) {
+            printf("\n| GEMM | shape | median us | TFLOP/s |\n|---|---|---:|---:|\n");
+            for (int i = 0; i < ngres; i++)
+                printf("| %s%s | %s | %.1f | %.1f |\n", gres[i].name, gres[i].ok ? "" : " (ERROR)", gres[i].shape,
+                       gres[i].ms * 1e3, gres[i].tflops);
+        }
         printf("\n%d target(s) missed\n", below);
     }
     fm_context_destroy(ctx);

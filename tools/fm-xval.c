@@ -1029,6 +1029,261 @@ static void xv_transpose_scaled_grouped(xv_env *x, xv_counts *cnt)
     }
 }
 
+/* ---- GEMMs: CUDA within the DESIGN.md tolerance of the CPU reference ------ */
+
+/* Random finite codes (FP8) or values (BF16/F32), random F32 scales. */
+static void gm_fill(xv_env *x, xv_buf *b, fm_dtype t)
+{
+    uint8_t *p = b->h;
+    for (size_t i = 0; i < b->n; i += (size_t)dtype_bytes(t)) {
+        if (t == FM_DTYPE_E4M3)
+            p[i] = (uint8_t)((rnd(x) % 0x7F) | (rnd(x) & 0x80));
+        else if (t == FM_DTYPE_E5M2)
+            p[i] = (uint8_t)((rnd(x) % 0x7C) | (rnd(x) & 0x80));
+        else {
+            float f = (float)((rndu(x) * 2 - 1) * 4);
+            if (t == FM_DTYPE_BF16) {
+                uint16_t h = fm_bf16_from_f32(f);
+                memcpy(p + i, &h, 2);
+            } else {
+                memcpy(p + i, &f, 4);
+            }
+        }
+    }
+}
+
+static void gm_fill_scales(xv_env *x, xv_buf *b)
+{
+    float *s = b->h;
+    for (size_t i = 0; i < b->n / 4; i++)
+        s[i] = ldexpf((float)(0.5 + rndu(x)), rndi(x, -8, 8));
+}
+
+static double gm_val(const void *p, fm_dtype t, size_t i)
+{
+    return t == FM_DTYPE_BF16 ? (double)fm_bf16_to_f32(((const uint16_t *)p)[i]) : (double)((const float *)p)[i];
+}
+
+/* Relative Frobenius error of the device output against the host one, NaN
+ * positions compared apart: 0 pass, 1 fail. */
+static int gm_compare(xv_env *x, const xv_buf *d, fm_dtype t, const char *name)
+{
+    void *g = malloc(d->n ? d->n : 1);
+    if (!g || !cuda_ok(x, cudaMemcpy(g, d->d, d->n, cudaMemcpyDeviceToHost), "cudaMemcpy D2H")) {
+        free(g);
+        return 1;
+    }
+    double num = 0, den = 0;
+    size_t nan_diff = 0, n = d->n / (size_t)dtype_bytes(t);
+    for (size_t i = 0; i < n; i++) {
+        double r = gm_val(d->h, t, i), v = gm_val(g, t, i);
+        if (isnan(r) || isnan(v)) {
+            nan_diff += isnan(r) != isnan(v);
+            continue;
+        }
+        num += (v - r) * (v - r);
+        den += r * r;
+    }
+    free(g);
+    double rel = den > 0 ? sqrt(num / den) : sqrt(num), tol = t == FM_DTYPE_BF16 ? 5e-3 : 5e-4;
+    if (rel <= tol && nan_diff == 0)
+        return 0;
+    if (x->printed++ < 20)
+        fprintf(stderr, "FAIL %s: relative Frobenius error %.3g (tolerance %.0e), %zu NaN mismatches\n", name, rel,
+                tol, nan_diff);
+    return 1;
+}
+
+/* The operand pairs both backends take (BLK128x128 x BLK128x128 is CPU only). */
+static const struct {
+    fm_dtype a, b;
+    fm_scale_mode ma, mb;
+} gm_pairs[] = {
+    {FM_DTYPE_E4M3, FM_DTYPE_E4M3, FM_SCALE_TENSOR, FM_SCALE_TENSOR},
+    {FM_DTYPE_E4M3, FM_DTYPE_E5M2, FM_SCALE_ROW, FM_SCALE_ROW},
+    {FM_DTYPE_E5M2, FM_DTYPE_E4M3, FM_SCALE_ROW, FM_SCALE_ROW},
+    {FM_DTYPE_E4M3, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128},
+    {FM_DTYPE_E4M3, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_1x128},
+    {FM_DTYPE_BF16, FM_DTYPE_BF16, FM_SCALE_NONE, FM_SCALE_NONE},
+    {FM_DTYPE_F32, FM_DTYPE_F32, FM_SCALE_NONE, FM_SCALE_NONE},
+};
+#define GM_NPAIRS (int)(sizeof gm_pairs / sizeof gm_pairs[0])
+
+/* One operand: host and device buffers with the same contents. */
+typedef struct {
+    xv_buf data, scale;
+    fm_tensor h, d;
+} gm_op;
+
+static int gm_op_make(xv_env *x, gm_op *o, fm_tensor proto, int64_t nscale)
+{
+    memset(o, 0, sizeof *o);
+    if (!buf_alloc(x, &o->data, (size_t)fm_tensor_nbytes(&proto)) ||
+        !buf_alloc(x, &o->scale, (size_t)(nscale > 0 ? nscale : 0) * 4))
+        return 0;
+    gm_fill(x, &o->data, proto.dtype);
+    gm_fill_scales(x, &o->scale);
+    o->h = o->d = proto;
+    o->h.data = o->data.h;
+    o->d.data = o->data.d;
+    o->d.device = FM_DEVICE_CUDA;
+    if (proto.scale_mode) {
+        o->h.scale = o->scale.h;
+        o->d.scale = o->scale.d;
+    }
+    return buf_upload(x, &o->data) && buf_upload(x, &o->scale);
+}
+
+static void gm_op_free(gm_op *o)
+{
+    buf_free(&o->data);
+    buf_free(&o->scale);
+}
+
+static fm_tensor gm_desc(fm_dtype t, fm_scale_mode m, fm_scale_layout sl, fm_layout lay, int64_t e, int64_t r,
+                         int64_t c)
+{
+    fm_tensor d = e > 0 ? fm_tensor_3d(NULL, t, e, r, c) : fm_tensor_2d(NULL, t, r, c);
+    d.layout = lay;
+    d.scale_mode = m;
+    d.scale_dtype = FM_DTYPE_F32;
+    d.scale_layout = sl;
+    return d;
+}
+
+enum { GM_DENSE, GM_MGROUPED, GM_KGROUPED };
+
+/* One case of `form`: 0 pass, 1 fail, 2 skip (both refused alike). */
+static int gm_case(xv_env *x, int form, int pi, int64_t M, int64_t N, int64_t K, int64_t E, const int64_t *splits,
+                   fm_dtype out, int acc, const char *name)
+{
+    fm_scale_layout sl = rnd(x) & 1 ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT;
+    int fp8 = gm_pairs[pi].ma != FM_SCALE_NONE;
+    gm_op A, B;
+    fm_tensor ta, tb, td;
+    int64_t nsa = 0, nsb = 0;
+    fm_layout la = fp8 ? FM_LAYOUT_ROWWISE : (fm_layout)(rnd(x) & 1);
+    fm_layout lb = form == GM_MGROUPED || fp8 ? FM_LAYOUT_ROWWISE : (fm_layout)(rnd(x) & 1);
+    if (form == GM_KGROUPED) { /* dy [sum M, M], x [sum M, N] grouped column-wise; K = sum M */
+        la = lb = fp8 ? FM_LAYOUT_COLWISE : la;
+        ta = gm_desc(gm_pairs[pi].a, gm_pairs[pi].ma, sl, la, 0, K, M);
+        tb = gm_desc(gm_pairs[pi].b, gm_pairs[pi].mb, sl, lb, 0, K, N);
+        for (int64_t e = 0; fp8 && e < E; e++) {
+            nsa += fm_scale_count_2d(FM_SCALE_BLOCK_1x128, sl, M, splits[e]);
+            nsb += fm_scale_count_2d(FM_SCALE_BLOCK_1x128, sl, N, splits[e]);
+        }
+        td = gm_desc(out, FM_SCALE_NONE, FM_SCALE_LAYOUT_COMPACT, FM_LAYOUT_ROWWISE, E, M, N);
+    } else {
+        ta = gm_desc(gm_pairs[pi].a, gm_pairs[pi].ma, sl, la, 0, M, K);
+        tb = gm_desc(gm_pairs[pi].b, gm_pairs[pi].mb, sl, lb, form == GM_MGROUPED ? E : 0, N, K);
+        nsa = fm_tensor_scale_count(&ta);
+        nsb = fm_tensor_scale_count(&tb);
+        td = gm_desc(out, FM_SCALE_NONE, FM_SCALE_LAYOUT_COMPACT, FM_LAYOUT_ROWWISE, 0, M, N);
+    }
+    xv_buf D;
+    int r = 1;
+    if (!gm_op_make(x, &A, ta, nsa) || !gm_op_make(x, &B, tb, nsb) ||
+        !buf_alloc(x, &D, (size_t)fm_tensor_nbytes(&td)))
+        goto done;
+    gm_fill(x, &D, out);
+    if (!buf_upload(x, &D))
+        goto done;
+    fm_tensor dh = td, dd = td;
+    dh.data = D.h;
+    dd.data = D.d;
+    dd.device = FM_DEVICE_CUDA;
+    fm_gemm_config cfg = {.accumulate = acc};
+    fm_splits sp = {.groups = E, .host = splits};
+    fm_status stc, stg;
+    if (form == GM_DENSE) {
+        stc = fm_gemm(x->cpu, &cfg, &A.h, &B.h, &dh);
+        stg = fm_gemm(x->gpu, &cfg, &A.d, &B.d, &dd);
+    } else if (form == GM_MGROUPED) {
+        stc = fm_grouped_gemm(x->cpu, &cfg, &sp, &A.h, &B.h, &dh);
+        stg = fm_grouped_gemm(x->gpu, &cfg, &sp, &A.d, &B.d, &dd);
+    } else {
+        stc = fm_grouped_gemm_wgrad(x->cpu, &cfg, &sp, &A.h, &B.h, &dh);
+        stg = fm_grouped_gemm_wgrad(x->gpu, &cfg, &sp, &A.d, &B.d, &dd);
+    }
+    char cmsg[256];
+    snprintf(cmsg, sizeof cmsg, "%s", fm_last_error(x->cpu));
+    r = status_verdict(x, name, stc, cmsg, stg);
+    if (r == -1)
+        r = cuda_ok(x, cudaDeviceSynchronize(), name) ? gm_compare(x, &D, out, name) : 1;
+done:
+    gm_op_free(&A);
+    gm_op_free(&B);
+    buf_free(&D);
+    return r;
+}
+
+static const int64_t gm_shapes[][3] = {{1, 16, 128}, {37, 19, 256}, {130, 257, 384}, {256, 512, 1024}, {7, 200, 48}};
+
+static void xv_gemm(xv_env *x, xv_counts *cnt)
+{
+    int ns = x->quick ? 3 : (int)(sizeof gm_shapes / sizeof gm_shapes[0]);
+    for (int pi = 0; pi < GM_NPAIRS; pi++)
+        for (int s = 0; s < ns; s++)
+            for (int o = 0; o < 3; o++) {
+                fm_dtype out = o == 0 ? FM_DTYPE_BF16 : FM_DTYPE_F32;
+                char name[200];
+                snprintf(name, sizeof name, "gemm %s(%s) x %s(%s) [%lld x %lld x %lld] -> %s%s",
+                         fm_dtype_name(gm_pairs[pi].a), fm_scale_mode_name(gm_pairs[pi].ma),
+                         fm_dtype_name(gm_pairs[pi].b), fm_scale_mode_name(gm_pairs[pi].mb),
+                         (long long)gm_shapes[s][0], (long long)gm_shapes[s][1], (long long)gm_shapes[s][2],
+                         fm_dtype_name(out), o == 2 ? " accumulate" : "");
+                tally(x, cnt, gm_case(x, GM_DENSE, pi, gm_shapes[s][0], gm_shapes[s][1], gm_shapes[s][2], 0, NULL,
+                                      out, o == 2, name), name);
+            }
+}
+
+/* Ragged splits with empty experts; multiples of 16 where `fp8k` (cuBLASLt's
+ * FP8 K) asks for it. */
+static int64_t gm_splits(xv_env *x, int64_t *s, int64_t E, int fp8k)
+{
+    int64_t S = 0;
+    for (int64_t e = 0; e < E; e++) {
+        s[e] = rndi(x, 0, 3) == 0 ? 0 : rndi(x, 1, 300);
+        if (fp8k)
+            s[e] = s[e] / 16 * 16;
+        S += s[e];
+    }
+    return S;
+}
+
+static void xv_grouped_gemm(xv_env *x, xv_counts *cnt)
+{
+    int reps = x->quick ? 1 : 3;
+    for (int pi = 0; pi < GM_NPAIRS; pi++)
+        for (int rep = 0; rep < reps; rep++) {
+            int64_t s[8], E = rndi(x, 1, 8), S = gm_splits(x, s, E, 0), N = 16 * rndi(x, 1, 20), K = 16 * rndi(x, 1, 40);
+            fm_dtype out = rep % 2 ? FM_DTYPE_F32 : FM_DTYPE_BF16;
+            char name[200];
+            snprintf(name, sizeof name, "grouped_gemm %s(%s) x %s(%s) E %lld sum M %lld N %lld K %lld -> %s",
+                     fm_dtype_name(gm_pairs[pi].a), fm_scale_mode_name(gm_pairs[pi].ma), fm_dtype_name(gm_pairs[pi].b),
+                     fm_scale_mode_name(gm_pairs[pi].mb), (long long)E, (long long)S, (long long)N, (long long)K,
+                     fm_dtype_name(out));
+            tally(x, cnt, gm_case(x, GM_MGROUPED, pi, S, N, K, E, s, out, 0, name), name);
+        }
+}
+
+static void xv_grouped_gemm_wgrad(xv_env *x, xv_counts *cnt)
+{
+    static const int pis[] = {4, 5, 6}; /* 1x128 x 1x128, BF16, F32 */
+    int reps = x->quick ? 1 : 3;
+    for (int k = 0; k < 3; k++)
+        for (int rep = 0; rep < reps; rep++) {
+            int pi = pis[k];
+            int64_t s[8], E = rndi(x, 1, 8), S = gm_splits(x, s, E, pi == 4), N = rndi(x, 1, 300), M = rndi(x, 1, 200);
+            fm_dtype out = rep % 2 ? FM_DTYPE_BF16 : FM_DTYPE_F32;
+            char name[200];
+            snprintf(name, sizeof name, "grouped_gemm_wgrad %s E %lld sum M %lld -> [%lld, %lld] %s",
+                     fm_dtype_name(gm_pairs[pi].a), (long long)E, (long long)S, (long long)M, (long long)N,
+                     fm_dtype_name(out));
+            tally(x, cnt, gm_case(x, GM_KGROUPED, pi, M, N, S, E, s, out, out == FM_DTYPE_F32, name), name);
+        }
+}
+
 /* ---- the op table: a later op registers here ------------------------------- */
 
 typedef void (*xv_op_fn)(xv_env *x, xv_counts *c);
@@ -1042,6 +1297,9 @@ static const struct {
     {"transpose_scaled", xv_transpose_scaled},
     {"convert_scaled", xv_convert_scaled},
     {"transpose_scaled_grouped", xv_transpose_scaled_grouped},
+    {"gemm", xv_gemm},
+    {"grouped_gemm", xv_grouped_gemm},
+    {"grouped_gemm_wgrad", xv_grouped_gemm_wgrad},
 };
 #define NOPS (int)(sizeof xv_ops / sizeof xv_ops[0])
 

@@ -12,6 +12,12 @@ fm_status fm_cpu_cast(fm_context *ctx, const fm_tensor *in, fm_tensor *out);
 fm_status fm_cpu_requantize(fm_context *ctx, const fm_requant_config *cfg, const fm_tensor *in, fm_tensor *out);
 fm_status fm_cpu_requantize_grouped(fm_context *ctx, const fm_requant_config *cfg, const fm_splits *splits,
                                     const fm_tensor *in, fm_tensor *out);
+fm_status fm_cpu_gemm(fm_context *ctx, const fm_gemm_config *cfg, const fm_tensor *a, const fm_tensor *b,
+                      fm_tensor *d);
+fm_status fm_cpu_grouped_gemm(fm_context *ctx, const fm_gemm_config *cfg, const fm_splits *splits,
+                              const fm_tensor *a, const fm_tensor *b, fm_tensor *d);
+fm_status fm_cpu_grouped_gemm_wgrad(fm_context *ctx, const fm_gemm_config *cfg, const fm_splits *splits,
+                                    const fm_tensor *dy, const fm_tensor *x, fm_tensor *dw);
 
 /* Runs fn(arg, begin, end, worker) over [0, n) split into contiguous chunks
  * of at least min_chunk, one per worker (at most ctx->cpu_threads, at most

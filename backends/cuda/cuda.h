@@ -13,6 +13,7 @@ typedef struct fm_cuda_state {
     cublasLtHandle_t lt;
     void *workspace;
     size_t workspace_bytes;
+    void *gemm;            /* GEMM plan cache and side streams (gemm.cu), NULL until the first GEMM */
 } fm_cuda_state;
 
 static inline fm_cuda_state *fm_cuda(fm_context *ctx) { return (fm_cuda_state *)ctx->be_state; }
@@ -53,6 +54,14 @@ fm_status fm_cuda_cast(fm_context *ctx, const fm_tensor *in, fm_tensor *out);
 fm_status fm_cuda_requantize(fm_context *ctx, const fm_requant_config *cfg, const fm_tensor *in, fm_tensor *out);
 fm_status fm_cuda_requantize_grouped(fm_context *ctx, const fm_requant_config *cfg, const fm_splits *splits,
                                      const fm_tensor *in, fm_tensor *out);
+fm_status fm_cuda_gemm(fm_context *ctx, const fm_gemm_config *cfg, const fm_tensor *a, const fm_tensor *b,
+                       fm_tensor *d);
+fm_status fm_cuda_grouped_gemm(fm_context *ctx, const fm_gemm_config *cfg, const fm_splits *splits,
+                               const fm_tensor *a, const fm_tensor *b, fm_tensor *d);
+fm_status fm_cuda_grouped_gemm_wgrad(fm_context *ctx, const fm_gemm_config *cfg, const fm_splits *splits,
+                                     const fm_tensor *dy, const fm_tensor *x, fm_tensor *dw);
+/* Frees the GEMM plans and streams (context destroy). */
+void fm_cuda_gemm_destroy(fm_cuda_state *s);
 
 #ifdef __cplusplus
 }

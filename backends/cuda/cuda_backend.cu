@@ -104,6 +104,7 @@ static void cuda_destroy(fm_context *ctx)
     if (!s)
         return;
     cudaSetDevice(s->device);
+    fm_cuda_gemm_destroy(s);
     if (s->workspace)
         cudaFree(s->workspace);
     if (s->lt)
@@ -168,9 +169,9 @@ static const fm_backend cuda_backend = {
     /* .cast                 = */ fm_cuda_cast,
     /* .requantize           = */ fm_cuda_requantize,
     /* .requantize_grouped    = */ fm_cuda_requantize_grouped,
-    /* .gemm                  = */ NULL,
-    /* .grouped_gemm          = */ NULL,
-    /* .grouped_gemm_wgrad    = */ NULL,
+    /* .gemm                  = */ fm_cuda_gemm,
+    /* .grouped_gemm          = */ fm_cuda_grouped_gemm,
+    /* .grouped_gemm_wgrad    = */ fm_cuda_grouped_gemm_wgrad,
     /* .moe_router            = */ NULL,
     /* .moe_router_backward   = */ NULL,
     /* .moe_permute           = */ NULL,

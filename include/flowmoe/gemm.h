@@ -13,8 +13,12 @@
  *     transpose. Scale pairs (A x B):
  *       TENSOR x TENSOR, ROW x ROW (per-row of A times per-row of B),
  *       BLOCK_1x128 x BLOCK_128x128 (DeepSeek: activations x weights),
- *       BLOCK_1x128 x BLOCK_1x128 (both 1x128 along K: the weight gradient).
+ *       BLOCK_1x128 x BLOCK_1x128 (both 1x128 along K: the weight gradient),
+ *       BLOCK_128x128 x BLOCK_128x128 (CPU only: cuBLASLt has no such mode,
+ *       the CUDA backend answers FM_ERR_UNSUPPORTED).
  *     Scales in either layout (COMPACT or GEMM).
+ *     The CUDA backend (cuBLASLt) needs FP8 K to be a multiple of 16 (for the
+ *     k-grouped form: every M_i); otherwise FM_ERR_UNSUPPORTED.
  *   - BF16 x BF16 (the bf16 recipe) or F32 x F32, any storage layout.
  * Output D: BF16 or F32, row-wise, unscaled. With cfg->accumulate, D must be
  * F32 and the product is added to it (beta = 1: main-grad accumulation).

@@ -1,0 +1,305 @@
+/* CUDA (cuBLASLt) GEMMs match the CPU reference within the DESIGN.md
+ * tolerance: relative Frobenius error <= 5e-3 with BF16 output, <= 5e-4 with
+ * F32 output; every scale pair cuBLASLt takes, BF16 and F32 operands in both
+ * layouts, COMPACT and GEMM scale layouts, odd M and N, accumulate, m-grouped
+ * and k-grouped forms with empty experts; NaN reaches the same outputs; and
+ * BLOCK_128x128 x BLOCK_128x128 is refused with FM_ERR_UNSUPPORTED. */
+#include <math.h>
+#include <stdint.h>
+
+#include "gpu_test.h"
+
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+static uint64_t rnd(void)
+{
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return rng;
+}
+static double unif(void) { return (double)(rnd() >> 11) * (1.0 / 9007199254740992.0); }
+
+static int fp8(fm_dtype d) { return d == FM_DTYPE_E4M3 || d == FM_DTYPE_E5M2; }
+static size_t esize(fm_dtype d) { return d == FM_DTYPE_F32 ? 4 : d == FM_DTYPE_BF16 ? 2 : 1; }
+
+/* A host tensor with random finite contents and its device twin. */
+typedef struct {
+    fm_tensor h, d;
+    size_t nd, ns;
+} pairt;
+
+static void fill(pairt *p, fm_tensor proto, size_t nscale)
+{
+    p->h = proto;
+    p->nd = (size_t)fm_tensor_nbytes(&proto);
+    p->ns = nscale;
+    uint8_t *hd = malloc(p->nd + 1);
+    for (size_t i = 0; i < p->nd; i += esize(proto.dtype)) {
+        if (proto.dtype == FM_DTYPE_E4M3)
+            hd[i] = (uint8_t)(rnd() % 0x7F) | (uint8_t)(rnd() & 0x80);
+        else if (proto.dtype == FM_DTYPE_E5M2)
+            hd[i] = (uint8_t)(rnd() % 0x7C) | (uint8_t)(rnd() & 0x80);
+        else if (proto.dtype == FM_DTYPE_BF16) {
+            float f = (float)((unif() * 2 - 1) * 4);
+            uint32_t u;
+            memcpy(&u, &f, 4);
+            uint16_t b = (uint16_t)(u >> 16);
+            memcpy(hd + i, &b, 2);
+        } else {
+            float f = (float)((unif() * 2 - 1) * 4);
+            memcpy(hd + i, &f, 4);
+        }
+    }
+    float *hs = NULL;
+    if (nscale) {
+        hs = malloc(nscale * 4);
+        for (size_t i = 0; i < nscale; i++)
+            hs[i] = ldexpf((float)(0.5 + unif()), (int)(rnd() % 17) - 8);
+    }
+    p->h.data = hd;
+    p->h.scale = hs;
+    p->d = p->h;
+    p->d.device = FM_DEVICE_CUDA;
+    void *dd = NULL, *ds = NULL;
+    GT_CUDA(cudaMalloc(&dd, p->nd + 1));
+    GT_CUDA(cudaMemcpy(dd, hd, p->nd, cudaMemcpyHostToDevice));
+    if (nscale) {
+        GT_CUDA(cudaMalloc(&ds, nscale * 4));
+        GT_CUDA(cudaMemcpy(ds, hs, nscale * 4, cudaMemcpyHostToDevice));
+    }
+    p->d.data = dd;
+    p->d.scale = ds;
+}
+
+static void upload(pairt *p)
+{
+    GT_CUDA(cudaMemcpy(p->d.data, p->h.data, p->nd, cudaMemcpyHostToDevice));
+    if (p->ns)
+        GT_CUDA(cudaMemcpy(p->d.scale, p->h.scale, p->ns * 4, cudaMemcpyHostToDevice));
+}
+
+static void drop(pairt *p)
+{
+    free(p->h.data);
+    free(p->h.scale);
+    cudaFree(p->d.data);
+    if (p->d.scale)
+        cudaFree(p->d.scale);
+}
+
+static double val(const void *p, fm_dtype t, size_t i)
+{
+    if (t == FM_DTYPE_BF16) {
+        uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    return ((const float *)p)[i];
+}
+
+/* Compares the device output with the host one: tolerance and NaN sets. */
+static void compare(const pairt *out, const char *what)
+{
+    uint8_t *g = malloc(out->nd + 1);
+    GT_CUDA(cudaMemcpy(g, out->d.data, out->nd, cudaMemcpyDeviceToHost));
+    size_t n = out->nd / esize(out->h.dtype), nan_diff = 0;
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        double r = val(out->h.data, out->h.dtype, i), x = val(g, out->h.dtype, i);
+        if (isnan(r) || isnan(x)) {
+            nan_diff += isnan(r) != isnan(x);
+            continue;
+        }
+        num += (x - r) * (x - r);
+        den += r * r;
+    }
+    double rel = den > 0 ? sqrt(num / den) : sqrt(num);
+    double tol = out->h.dtype == FM_DTYPE_BF16 ? 5e-3 : 5e-4;
+    GT_CHECK(rel <= tol && nan_diff == 0, "%s: relative Frobenius error %.3g (tolerance %.0e), %zu NaN mismatches",
+             what, rel, tol, nan_diff);
+    free(g);
+}
+
+static pairt out_pair(fm_dtype dt, int ndim, int64_t e, int64_t r, int64_t c)
+{
+    pairt o;
+    fm_tensor t = ndim == 3 ? fm_tensor_3d(NULL, dt, e, r, c) : fm_tensor_2d(NULL, dt, r, c);
+    fill(&o, t, 0);
+    return o;
+}
+
+static fm_tensor operand(fm_dtype dt, fm_scale_mode m, fm_scale_layout sl, fm_layout lay, int ndim, int64_t e,
+                         int64_t r, int64_t c)
+{
+    fm_tensor t = ndim == 3 ? fm_tensor_3d(NULL, dt, e, r, c) : fm_tensor_2d(NULL, dt, r, c);
+    t.layout = lay;
+    t.scale_mode = m;
+    t.scale_dtype = FM_DTYPE_F32;
+    t.scale_layout = sl;
+    return t;
+}
+
+typedef struct {
+    fm_dtype a, b;
+    fm_scale_mode ma, mb;
+} pair_t;
+
+static const pair_t pairs[] = {
+    {FM_DTYPE_E4M3, FM_DTYPE_E4M3, FM_SCALE_TENSOR, FM_SCALE_TENSOR},
+    {FM_DTYPE_E4M3, FM_DTYPE_E5M2, FM_SCALE_ROW, FM_SCALE_ROW},
+    {FM_DTYPE_E4M3, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128},
+    {FM_DTYPE_E5M2, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_1x128},
+    {FM_DTYPE_BF16, FM_DTYPE_BF16, FM_SCALE_NONE, FM_SCALE_NONE},
+    {FM_DTYPE_F32, FM_DTYPE_F32, FM_SCALE_NONE, FM_SCALE_NONE},
+};
+
+static void dense(fm_context *cpu, fm_context *gpu, const pair_t *p, int64_t M, int64_t N, int64_t K, fm_dtype out,
+                  int acc, int nan)
+{
+    fm_scale_layout sla = rnd() & 1 ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT;
+    fm_scale_layout slb = rnd() & 1 ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT;
+    fm_layout la = fp8(p->a) ? FM_LAYOUT_ROWWISE : (fm_layout)(rnd() & 1);
+    fm_layout lb = fp8(p->b) ? FM_LAYOUT_ROWWISE : (fm_layout)(rnd() & 1);
+    fm_tensor ta = operand(p->a, p->ma, sla, la, 2, 1, M, K), tb = operand(p->b, p->mb, slb, lb, 2, 1, N, K);
+    pairt A, B, D = out_pair(out, 2, 1, M, N);
+    fill(&A, ta, p->ma ? (size_t)fm_tensor_scale_count(&ta) : 0);
+    fill(&B, tb, p->mb ? (size_t)fm_tensor_scale_count(&tb) : 0);
+    if (nan && fp8(p->a)) {
+        ((uint8_t *)A.h.data)[rnd() % A.nd] = p->a == FM_DTYPE_E4M3 ? 0x7F : 0x7E;
+        upload(&A);
+    }
+    if (!acc)
+        GT_CUDA(cudaMemset(D.d.data, 0xFF, D.nd));
+    else
+        GT_CUDA(cudaMemcpy(D.d.data, D.h.data, D.nd, cudaMemcpyHostToDevice));
+    fm_gemm_config cfg = {.accumulate = acc};
+    char what[200];
+    snprintf(what, sizeof what, "dense %s(%s, %s) x %s(%s, %s) M %lld N %lld K %lld -> %s%s%s", fm_dtype_name(p->a),
+             fm_scale_mode_name(p->ma), fm_layout_name(la), fm_dtype_name(p->b), fm_scale_mode_name(p->mb),
+             fm_layout_name(lb), (long long)M, (long long)N, (long long)K, fm_dtype_name(out),
+             acc ? " accumulate" : "", nan ? " NaN" : "");
+    fm_status sc = fm_gemm(cpu, &cfg, &A.h, &B.h, &D.h);
+    fm_status sg = fm_gemm(gpu, &cfg, &A.d, &B.d, &D.d);
+    GT_CHECK(sc == FM_OK && sg == FM_OK, "%s: cpu %s, cuda %s: %s", what, fm_status_name(sc), fm_status_name(sg),
+             fm_last_error(gpu));
+    if (sc == FM_OK && sg == FM_OK) {
+        GT_CUDA(cudaDeviceSynchronize());
+        compare(&D, what);
+    }
+    drop(&A);
+    drop(&B);
+    drop(&D);
+}
+
+static void grouped(fm_context *cpu, fm_context *gpu, const pair_t *p, int64_t E, const int64_t *splits, int64_t N,
+                    int64_t K, fm_dtype out)
+{
+    int64_t S = 0;
+    for (int64_t e = 0; e < E; e++)
+        S += splits[e];
+    fm_scale_layout sl = rnd() & 1 ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT;
+    fm_tensor ta = operand(p->a, p->ma, sl, FM_LAYOUT_ROWWISE, 2, 1, S, K);
+    fm_tensor tb = operand(p->b, p->mb, sl, FM_LAYOUT_ROWWISE, 3, E, N, K);
+    pairt A, B, D = out_pair(out, 2, 1, S, N);
+    fill(&A, ta, p->ma ? (size_t)fm_tensor_scale_count(&ta) : 0);
+    fill(&B, tb, p->mb ? (size_t)fm_tensor_scale_count(&tb) : 0);
+    GT_CUDA(cudaMemset(D.d.data, 0xFF, D.nd));
+    fm_splits sp = {.groups = E, .host = splits};
+    char what[160];
+    snprintf(what, sizeof what, "m-grouped %s(%s) x %s(%s) E %lld sum M %lld N %lld K %lld -> %s",
+             fm_dtype_name(p->a), fm_scale_mode_name(p->ma), fm_dtype_name(p->b), fm_scale_mode_name(p->mb),
+             (long long)E, (long long)S, (long long)N, (long long)K, fm_dtype_name(out));
+    fm_status sc = fm_grouped_gemm(cpu, NULL, &sp, &A.h, &B.h, &D.h);
+    fm_status sg = fm_grouped_gemm(gpu, NULL, &sp, &A.d, &B.d, &D.d);
+    GT_CHECK(sc == FM_OK && sg == FM_OK, "%s: cpu %s, cuda %s: %s", what, fm_status_name(sc), fm_status_name(sg),
+             fm_last_error(gpu));
+    if (sc == FM_OK && sg == FM_OK) {
+        GT_CUDA(cudaDeviceSynchronize());
+        compare(&D, what);
+    }
+    drop(&A);
+    drop(&B);
+    drop(&D);
+}
+
+/* k-grouped: the grouped column-wise scale arrays, sized per expert. */
+static void kgrouped(fm_context *cpu, fm_context *gpu, int isfp8, int64_t E, const int64_t *splits, int64_t N,
+                     int64_t K, fm_dtype out, int acc)
+{
+    int64_t S = 0, nsy = 0, nsx = 0;
+    fm_scale_layout sl = rnd() & 1 ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT;
+    for (int64_t e = 0; e < E; e++) {
+        S += splits[e];
+        nsy += fm_scale_count_2d(FM_SCALE_BLOCK_1x128, sl, N, splits[e]);
+        nsx += fm_scale_count_2d(FM_SCALE_BLOCK_1x128, sl, K, splits[e]);
+    }
+    fm_dtype dt = isfp8 ? FM_DTYPE_E4M3 : FM_DTYPE_BF16;
+    fm_scale_mode m = isfp8 ? FM_SCALE_BLOCK_1x128 : FM_SCALE_NONE;
+    fm_layout lay = isfp8 || (rnd() & 1) ? FM_LAYOUT_COLWISE : FM_LAYOUT_ROWWISE;
+    pairt Y, X, D = out_pair(out, 3, E, N, K);
+    fill(&Y, operand(dt, m, sl, lay, 2, 1, S, N), isfp8 ? (size_t)nsy : 0);
+    fill(&X, operand(dt, m, sl, lay, 2, 1, S, K), isfp8 ? (size_t)nsx : 0);
+    GT_CUDA(cudaMemcpy(D.d.data, D.h.data, D.nd, cudaMemcpyHostToDevice));
+    fm_splits sp = {.groups = E, .host = splits};
+    fm_gemm_config cfg = {.accumulate = acc};
+    char what[160];
+    snprintf(what, sizeof what, "k-grouped %s %s E %lld sum M %lld N %lld K %lld -> %s%s", fm_dtype_name(dt),
+             fm_layout_name(lay), (long long)E, (long long)S, (long long)N, (long long)K, fm_dtype_name(out),
+             acc ? " accumulate" : "");
+    fm_status sc = fm_grouped_gemm_wgrad(cpu, &cfg, &sp, &Y.h, &X.h, &D.h);
+    fm_status sg = fm_grouped_gemm_wgrad(gpu, &cfg, &sp, &Y.d, &X.d, &D.d);
+    GT_CHECK(sc == FM_OK && sg == FM_OK, "%s: cpu %s, cuda %s: %s", what, fm_status_name(sc), fm_status_name(sg),
+             fm_last_error(gpu));
+    if (sc == FM_OK && sg == FM_OK) {
+        GT_CUDA(cudaDeviceSynchronize());
+        compare(&D, what);
+    }
+    drop(&Y);
+    drop(&X);
+    drop(&D);
+}
+
+int main(void)
+{
+    fm_context *gpu = gt_cuda_context("test_cuda_gemm_matches_cpu_within_tolerance");
+    fm_context *cpu = gt_cpu_context();
+    static const int64_t shapes[][3] = {{1, 16, 128}, {37, 19, 256}, {130, 257, 384}, {64, 64, 4096}, {7, 200, 48}};
+    for (size_t p = 0; p < sizeof pairs / sizeof pairs[0]; p++)
+        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+            dense(cpu, gpu, &pairs[p], shapes[s][0], shapes[s][1], shapes[s][2], FM_DTYPE_BF16, 0, 0);
+            dense(cpu, gpu, &pairs[p], shapes[s][0], shapes[s][1], shapes[s][2], FM_DTYPE_F32, 1, 0);
+            dense(cpu, gpu, &pairs[p], shapes[s][0], shapes[s][1], shapes[s][2], FM_DTYPE_F32, 0, 1);
+        }
+    /* unscaled operands take any K */
+    dense(cpu, gpu, &pairs[4], 33, 17, 100, FM_DTYPE_BF16, 0, 0);
+    dense(cpu, gpu, &pairs[5], 5, 3, 7, FM_DTYPE_F32, 1, 0);
+
+    static const int64_t sp1[] = {64, 0, 130, 1, 0, 33, 200, 16}, sp2[] = {0, 0, 257, 0};
+    static const int64_t kp1[] = {128, 0, 256, 16, 0, 48, 512, 32}, kp2[] = {0, 384, 0, 0};
+    for (size_t p = 0; p < sizeof pairs / sizeof pairs[0]; p++) {
+        grouped(cpu, gpu, &pairs[p], 8, sp1, 96, 256, FM_DTYPE_BF16);
+        grouped(cpu, gpu, &pairs[p], 4, sp2, 40, 384, FM_DTYPE_F32);
+    }
+    for (int f = 0; f < 2; f++) {
+        kgrouped(cpu, gpu, f, 8, kp1, 64, 96, FM_DTYPE_F32, 1);
+        kgrouped(cpu, gpu, f, 4, kp2, 33, 130, FM_DTYPE_BF16, 0);
+    }
+
+    /* cuBLASLt has no BLK128x128 x BLK128x128. */
+    fm_tensor ta = operand(FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128, FM_SCALE_LAYOUT_GEMM, FM_LAYOUT_ROWWISE, 2, 1, 128, 128);
+    pairt A, B, D = out_pair(FM_DTYPE_BF16, 2, 1, 128, 128);
+    fill(&A, ta, (size_t)fm_tensor_scale_count(&ta));
+    fill(&B, ta, (size_t)fm_tensor_scale_count(&ta));
+    fm_status st = fm_gemm(gpu, NULL, &A.d, &B.d, &D.d);
+    GT_CHECK(st == FM_ERR_UNSUPPORTED && strstr(fm_last_error(gpu), "BLOCK_128x128 x BLOCK_128x128"),
+             "128x128 x 128x128: %s: %s", fm_status_name(st), fm_last_error(gpu));
+    drop(&A);
+    drop(&B);
+    drop(&D);
+
+    fm_context_destroy(cpu);
+    fm_context_destroy(gpu);
+    printf("test_cuda_gemm_matches_cpu_within_tolerance: %d failures\n", gt_failures);
+    return gt_failures ? 1 : 0;
+}
