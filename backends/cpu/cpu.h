@@ -18,6 +18,23 @@ fm_status fm_cpu_grouped_gemm(fm_context *ctx, const fm_gemm_config *cfg, const 
                               const fm_tensor *a, const fm_tensor *b, fm_tensor *d);
 fm_status fm_cpu_grouped_gemm_wgrad(fm_context *ctx, const fm_gemm_config *cfg, const fm_splits *splits,
                                     const fm_tensor *dy, const fm_tensor *x, fm_tensor *dw);
+fm_status fm_cpu_moe_router(fm_context *ctx, const fm_router_config *cfg, const fm_tensor *logits,
+                            fm_tensor *expert_ids, fm_tensor *probs, fm_tensor *tokens_per_expert);
+fm_status fm_cpu_moe_router_backward(fm_context *ctx, const fm_router_config *cfg, const fm_tensor *logits,
+                                     const fm_tensor *expert_ids, const fm_tensor *dprobs, fm_tensor *dlogits);
+fm_status fm_cpu_moe_permute(fm_context *ctx, const fm_permute_config *cfg, const fm_tensor *x,
+                             const fm_tensor *expert_ids, const fm_tensor *probs, fm_tensor *out, fm_tensor *row_map,
+                             fm_tensor *slot_rows, fm_tensor *splits, fm_tensor *out_probs, int64_t *host_splits);
+fm_status fm_cpu_moe_unpermute(fm_context *ctx, const fm_tensor *y, const fm_tensor *slot_rows,
+                               const fm_tensor *probs, fm_tensor *out);
+fm_status fm_cpu_moe_unpermute_backward(fm_context *ctx, const fm_tensor *dout, const fm_tensor *y,
+                                        const fm_tensor *row_map, const fm_tensor *slot_rows, const fm_tensor *probs,
+                                        fm_tensor *dy, fm_tensor *dprobs);
+fm_status fm_cpu_moe_swiglu(fm_context *ctx, const fm_quant_config *cfg, const fm_tensor *in, const fm_tensor *probs,
+                            fm_tensor *out_row, fm_tensor *out_col, fm_tensor *in_saved);
+fm_status fm_cpu_moe_swiglu_backward(fm_context *ctx, const fm_quant_config *cfg, const fm_tensor *dh,
+                                     const fm_tensor *in, const fm_tensor *probs, fm_tensor *din_row,
+                                     fm_tensor *din_col, fm_tensor *dprobs);
 
 /* Runs fn(arg, begin, end, worker) over [0, n) split into contiguous chunks
  * of at least min_chunk, one per worker (at most ctx->cpu_threads, at most

@@ -62,6 +62,23 @@ fm_status fm_cuda_grouped_gemm_wgrad(fm_context *ctx, const fm_gemm_config *cfg,
                                      const fm_tensor *dy, const fm_tensor *x, fm_tensor *dw);
 /* Frees the GEMM plans and streams (context destroy). */
 void fm_cuda_gemm_destroy(fm_cuda_state *s);
+fm_status fm_cuda_moe_router(fm_context *ctx, const fm_router_config *cfg, const fm_tensor *logits,
+                             fm_tensor *expert_ids, fm_tensor *probs, fm_tensor *tokens_per_expert);
+fm_status fm_cuda_moe_router_backward(fm_context *ctx, const fm_router_config *cfg, const fm_tensor *logits,
+                                      const fm_tensor *expert_ids, const fm_tensor *dprobs, fm_tensor *dlogits);
+fm_status fm_cuda_moe_permute(fm_context *ctx, const fm_permute_config *cfg, const fm_tensor *x,
+                              const fm_tensor *expert_ids, const fm_tensor *probs, fm_tensor *out, fm_tensor *row_map,
+                              fm_tensor *slot_rows, fm_tensor *splits, fm_tensor *out_probs, int64_t *host_splits);
+fm_status fm_cuda_moe_unpermute(fm_context *ctx, const fm_tensor *y, const fm_tensor *slot_rows,
+                                const fm_tensor *probs, fm_tensor *out);
+fm_status fm_cuda_moe_unpermute_backward(fm_context *ctx, const fm_tensor *dout, const fm_tensor *y,
+                                         const fm_tensor *row_map, const fm_tensor *slot_rows, const fm_tensor *probs,
+                                         fm_tensor *dy, fm_tensor *dprobs);
+fm_status fm_cuda_moe_swiglu(fm_context *ctx, const fm_quant_config *cfg, const fm_tensor *in, const fm_tensor *probs,
+                             fm_tensor *out_row, fm_tensor *out_col, fm_tensor *in_saved);
+fm_status fm_cuda_moe_swiglu_backward(fm_context *ctx, const fm_quant_config *cfg, const fm_tensor *dh,
+                                      const fm_tensor *in, const fm_tensor *probs, fm_tensor *din_row,
+                                      fm_tensor *din_col, fm_tensor *dprobs);
 
 #ifdef __cplusplus
 }

@@ -172,13 +172,13 @@ static const fm_backend cuda_backend = {
     /* .gemm                  = */ fm_cuda_gemm,
     /* .grouped_gemm          = */ fm_cuda_grouped_gemm,
     /* .grouped_gemm_wgrad    = */ fm_cuda_grouped_gemm_wgrad,
-    /* .moe_router            = */ NULL,
-    /* .moe_router_backward   = */ NULL,
-    /* .moe_permute           = */ NULL,
-    /* .moe_unpermute         = */ NULL,
-    /* .moe_unpermute_backward= */ NULL,
-    /* .moe_swiglu            = */ NULL,
-    /* .moe_swiglu_backward   = */ NULL,
+    /* .moe_router            = */ fm_cuda_moe_router,
+    /* .moe_router_backward   = */ fm_cuda_moe_router_backward,
+    /* .moe_permute           = */ fm_cuda_moe_permute,
+    /* .moe_unpermute         = */ fm_cuda_moe_unpermute,
+    /* .moe_unpermute_backward= */ fm_cuda_moe_unpermute_backward,
+    /* .moe_swiglu            = */ fm_cuda_moe_swiglu,
+    /* .moe_swiglu_backward   = */ fm_cuda_moe_swiglu_backward,
 };
 
 fm_status fm_cuda_backend_init(fm_context *ctx, const fm_context_config *cfg)

@@ -6,6 +6,7 @@
 #include "flowmoe/tensor.h"
 #include "flowmoe/context.h"
 #include "flowmoe/format.h"
+#include "flowmoe/mathfn.h"
 #include "flowmoe/quant.h"
 #include "flowmoe/transpose.h"
 #include "flowmoe/gemm.h"

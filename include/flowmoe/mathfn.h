@@ -1,0 +1,161 @@
+/* flowmoe — the transcendental and reduction rules of the MoE ops, once, for
+ * every backend.
+ *
+ * Static inline, C11 and CUDA (host and device), like format.h. Every
+ * function is a fixed sequence of IEEE F32 operations, each rounded to
+ * nearest even: add, multiply, divide and fmaf (a fused multiply-add rounded
+ * once). Nothing calls libm's expf (whose last bit differs between C
+ * libraries and CUDA), and every fused operation is an explicit fmaf: the
+ * build forbids contraction (-ffp-contract=off, nvcc -fmad=false), so the CPU
+ * and the GPU evaluate the same expression tree and get the same bits.
+ * Results that are NaN are the canonical NaN (format.h). */
+#ifndef FLOWMOE_MATHFN_H
+#define FLOWMOE_MATHFN_H
+
+#include <stdint.h>
+
+#include "flowmoe/format.h"
+
+#if !defined(__CUDACC__)
+#include <math.h> /* fmaf only: correctly rounded by C99, a hardware FMA on the GPU */
+#endif
+
+/* IEEE F32 division; on the device the explicit rn intrinsic, so that no
+ * compiler flag can turn it into an approximate reciprocal. */
+FM_HD float fm_divf(float a, float b)
+{
+#if defined(__CUDA_ARCH__)
+    return __fdiv_rn(a, b);
+#else
+    return a / b;
+#endif
+}
+
+/* e^x with at most 1 ulp of error (tests/test_mathfn_exp_is_accurate bounds
+ * it over a dense sweep), in four steps:
+ *  1. specials: NaN -> canonical NaN; x > 88.72284 (ln of the largest F32,
+ *     rounded up) -> +Inf, which covers +Inf; x < -103.97208 (below
+ *     ln 2^-150, where every result rounds to 0) -> +0, which covers -Inf.
+ *  2. n = round(x / ln 2) by the 1.5 * 2^23 trick (|x / ln 2| < 151, so the
+ *     add rounds to an integer exactly, ties to even).
+ *  3. r = x - n ln 2 with a Cody-Waite split of ln 2: LN2_HI has 16
+ *     significant bits, so n * LN2_HI is exact for |n| <= 150 and the first
+ *     fmaf loses nothing; LN2_LO carries the rest. |r| <= 0.3466.
+ *  4. e^r by its degree-7 Taylor polynomial in Horner form with fmaf (the
+ *     truncation error r^8 / 8! < 6e-9 relative, a tenth of an ulp), then
+ *     times 2^n in one rounding: for n < -126 (subnormal results) the first
+ *     multiply by 2^(n+24) is exact and only the multiply by 2^-24 rounds;
+ *     for n = 128 the multiply by 2^127 is exact and the one by 2 rounds
+ *     (to +Inf when the result overflows). */
+FM_HD float fm_expf(float x)
+{
+    if (fm_f32_is_nan(x))
+        return fm_bits_f32(FM_F32_CANON_NAN);
+    if (x > 88.72284f)
+        return fm_bits_f32(0x7F800000u);
+    if (x < -103.97208f)
+        return 0.0f;
+    const float LOG2E = 1.44269502f;
+    const float LN2_HI = 0.693145752f; /* 0x3F317200: 16 significant bits */
+    const float LN2_LO = 1.42860677e-06f; /* ln 2 - LN2_HI, rounded to F32 */
+    const float SHIFT = 12582912.0f;      /* 1.5 * 2^23 */
+    float t = x * LOG2E + SHIFT;
+    float nf = t - SHIFT;
+    int n = (int)nf;
+    float r = fmaf(-nf, LN2_HI, x);
+    r = fmaf(-nf, LN2_LO, r);
+    float p = 1.98412698e-04f; /* 1/7! */
+    p = fmaf(p, r, 1.38888889e-03f); /* 1/6! */
+    p = fmaf(p, r, 8.33333333e-03f); /* 1/5! */
+    p = fmaf(p, r, 4.16666667e-02f); /* 1/4! */
+    p = fmaf(p, r, 1.66666667e-01f); /* 1/3! */
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.0f);
+    p = fmaf(p, r, 1.0f);
+    if (n < -126)
+        return (p * fm_exp2i(n + 24)) * fm_exp2i(-24);
+    if (n > 127)
+        return (p * fm_exp2i(127)) * 2.0f;
+    return p * fm_exp2i(n);
+}
+
+/* sigmoid(x) = 1 / (1 + e^-x): three rounded operations after fm_expf.
+ * -Inf -> 0, +Inf -> 1, NaN -> NaN. */
+FM_HD float fm_sigmoidf(float x)
+{
+    if (fm_f32_is_nan(x))
+        return fm_bits_f32(FM_F32_CANON_NAN);
+    return fm_divf(1.0f, 1.0f + fm_expf(-x));
+}
+
+/* silu(g) = g * sigmoid(g), one more rounded multiply. silu(+Inf) = +Inf,
+ * silu(-Inf) = NaN (-Inf * 0): a non-finite input never becomes a finite
+ * output. */
+FM_HD float fm_siluf(float g)
+{
+    return fm_f32_canon(g * fm_sigmoidf(g));
+}
+
+/* d silu / dg = s * (1 + g * (1 - s)) with s = sigmoid(g), evaluated as
+ * s * fmaf(g, sigmoid(-g), 1): 1 - s taken as sigmoid(-g) keeps its digits
+ * where s is close to 1. dsilu(+-Inf) = NaN (Inf * 0 inside); finite inputs
+ * give finite outputs. */
+FM_HD float fm_dsiluf(float g)
+{
+    float s = fm_sigmoidf(g);
+    return fm_f32_canon(s * fmaf(g, fm_sigmoidf(-g), 1.0f));
+}
+
+/* ---- the fixed reduction order ---------------------------------------------
+ * Every sum that feeds an output of the MoE ops (softmax denominators, the
+ * dot products of backward passes) is evaluated in this order, so that one
+ * warp per row reproduces the CPU bit for bit:
+ *
+ *   1. 32 partial sums p_l, l = 0..31, each starting at +0.0f; element i goes
+ *      to p_{i mod 32}, in increasing i: p_l = fmaf(a_i, b_i, p_l).
+ *   2. a fixed tree: for off = 16, 8, 4, 2, 1: p_l = p_l + p_{l+off} for
+ *      l < off. The result is p_0 (NaN made canonical).
+ *
+ * On the GPU, lane l of a warp accumulates i = l, l + 32, ... with fmaf, then
+ *   for (off = 16; off > 0; off >>= 1) v += __shfl_down_sync(~0u, v, off);
+ * and lane 0 holds the result: lanes l >= 32 - off read their own value back,
+ * but those sums never reach lane 0. A plain sum is the dot with b_i = 1
+ * (fmaf(a, 1, p) rounds a + p once, exactly as p + a does). */
+#define FM_DOT_LANES 32
+
+FM_HD float fm_dot_tree_f32(float *p)
+{
+    for (int off = FM_DOT_LANES / 2; off > 0; off >>= 1)
+        for (int l = 0; l < off; l++)
+            p[l] = p[l] + p[l + off];
+    return fm_f32_canon(p[0]);
+}
+
+/* sum_i a[i * sa] * b[i * sb] for i < n, in the fixed order above. */
+FM_HD float fm_dot_order_strided_f32(const float *a, int64_t sa, const float *b, int64_t sb, int64_t n)
+{
+    float p[FM_DOT_LANES];
+    for (int l = 0; l < FM_DOT_LANES; l++)
+        p[l] = 0.0f;
+    for (int64_t i = 0; i < n; i++)
+        p[i % FM_DOT_LANES] = fmaf(a[i * sa], b[i * sb], p[i % FM_DOT_LANES]);
+    return fm_dot_tree_f32(p);
+}
+
+FM_HD float fm_dot_order_f32(const float *a, const float *b, int64_t n)
+{
+    return fm_dot_order_strided_f32(a, 1, b, 1, n);
+}
+
+/* sum_i a[i] in the same order (each p_l = p_l + a_i). */
+FM_HD float fm_sum_order_f32(const float *a, int64_t n)
+{
+    float p[FM_DOT_LANES];
+    for (int l = 0; l < FM_DOT_LANES; l++)
+        p[l] = 0.0f;
+    for (int64_t i = 0; i < n; i++)
+        p[i % FM_DOT_LANES] = p[i % FM_DOT_LANES] + a[i];
+    return fm_dot_tree_f32(p);
+}
+
+#endif
