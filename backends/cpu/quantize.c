@@ -97,6 +97,8 @@ static int64_t choose_scales(plan *p, const fm_quant_config *cfg, int64_t e)
 {
     fm_tensor *o = p->out;
     int64_t per = fm_scale_count_2d(o->scale_mode, o->scale_layout, p->R, p->C);
+    if (per == 0) /* an empty matrix without scales: o->scale may be NULL */
+        return 0;
     int e8 = o->scale_dtype == FM_DTYPE_E8M0;
     uint8_t *s8 = (uint8_t *)o->scale + e * per;
     float *s32 = (float *)o->scale + e * per;
@@ -275,7 +277,8 @@ fm_status fm_cpu_quantize(fm_context *ctx, const fm_quant_config *cfg, const fm_
     for (int64_t e = 0; e < E; e++) {
         for (int k = 0; k < np; k++)
             memset(p[k].amax, 0, (size_t)(p[k].nbr * p[k].nbc) * sizeof(uint32_t));
-        for (int64_t i = 0; i < rows; i++) {
+        /* Rows of no columns hold nothing to load (in->data may be NULL). */
+        for (int64_t i = 0; i < rows && cols > 0; i++) {
             fm_cpu_load_row(in->data, in->dtype, (e * rows + i) * cols, cols, rowbuf);
             for (int k = 0; k < np; k++)
                 amax_row(&p[k], rowbuf, i, rows, cols);

@@ -202,6 +202,13 @@ static int64_t requant_matrix(rq_plan *pl, const rq_matrix *m)
 fm_status fm_cpu_requantize(fm_context *ctx, const fm_requant_config *cfg, const fm_tensor *in, fm_tensor *out)
 {
     int64_t E = fm_tensor_experts(in), Ri = fm_tensor_stored_rows(in), Ci = fm_tensor_stored_cols(in);
+    /* An empty tensor has no codes and, in the block modes, no scales: its
+     * buffers may be NULL and nothing is written. */
+    if (fm_tensor_numel(in) == 0) {
+        if (cfg->nonfinite_blocks)
+            *cfg->nonfinite_blocks = 0;
+        return FM_OK;
+    }
     int transpose = in->layout != out->layout;
     if (in->scale_mode == FM_SCALE_BLOCK_128x128) {
         transpose_128x128(in, out, E, Ri, Ci);

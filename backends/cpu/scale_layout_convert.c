@@ -17,6 +17,10 @@ fm_status fm_cpu_scale_layout_convert(fm_context *ctx, const fm_tensor *src, fm_
     int64_t nbr = m == FM_SCALE_TENSOR ? 1 : fm_cdiv(R, br);
     int64_t nbc = (m == FM_SCALE_TENSOR || m == FM_SCALE_ROW) ? 1 : fm_cdiv(C, bc);
     int e8 = src->scale_dtype == FM_DTYPE_E8M0;
+    /* An empty tensor may have no scale array at all (NULL): not even a zero
+     * offset may be applied to it. */
+    if (sper == 0 || dper == 0)
+        return FM_OK;
     for (int64_t e = 0; e < E; e++) {
         if (e8) {
             const uint8_t *s = (const uint8_t *)src->scale + e * sper;
