@@ -183,7 +183,7 @@ static void test_moe(int64_t T, int64_t H, int64_t I, int64_t E, int k, int reno
     double *x = malloc((size_t)(T * H) * 8), *y = malloc((size_t)(T * H) * 8), *want = malloc((size_t)H * 8);
     tr_rng rng;
     tr_rng_seed(&rng, tu_rand());
-    tr_init_moe(&rng, &s, 2.0, r, w1, w2);
+    tr_init_moe(&rng, &s, 2.0, 1.0, r, w1, w2);
     if (ties && E >= 3) {
         memcpy(r + H, r, (size_t)H * 4);
         memcpy(r + (E - 1) * H, r, (size_t)H * 4);
@@ -203,16 +203,54 @@ static void test_moe(int64_t T, int64_t H, int64_t I, int64_t E, int k, int reno
     free(r), free(w1), free(w2), free(x), free(y), free(want);
 }
 
-static void test_teacher(void)
+/* Numerical rank of a [rows, cols] matrix by Gaussian elimination with
+ * partial pivoting, in double. */
+static int64_t matrix_rank(const float *m, int64_t rows, int64_t cols)
+{
+    double *a = malloc((size_t)(rows * cols) * 8), big = 0;
+    for (int64_t i = 0; i < rows * cols; i++)
+        a[i] = m[i], big = fabs(a[i]) > big ? fabs(a[i]) : big;
+    int64_t rank = 0;
+    for (int64_t c = 0; c < cols && rank < rows; c++) {
+        int64_t piv = rank;
+        for (int64_t r = rank; r < rows; r++)
+            if (fabs(a[r * cols + c]) > fabs(a[piv * cols + c]))
+                piv = r;
+        if (fabs(a[piv * cols + c]) <= 1e-5 * big)
+            continue;
+        for (int64_t j = 0; j < cols; j++) {
+            double t = a[piv * cols + j];
+            a[piv * cols + j] = a[rank * cols + j], a[rank * cols + j] = t;
+        }
+        for (int64_t r = rank + 1; r < rows; r++) {
+            double f = a[r * cols + c] / a[rank * cols + c];
+            for (int64_t j = c; j < cols; j++)
+                a[r * cols + j] -= f * a[rank * cols + j];
+        }
+        rank++;
+    }
+    free(a);
+    return rank;
+}
+
+static void test_teacher(int64_t rank)
 {
     tr_moe_shape s = {.hidden = 12, .ffn = 6, .experts = 5, .topk = 2, .renormalize = 1};
     int L = 3;
     int64_t T = 9, H = s.hidden, I = s.ffn, E = s.experts;
     uint64_t seed = tu_rand();
     tr_teacher a, b, c;
-    CHECK(tr_teacher_create(&a, &s, L, seed) == 0 && tr_teacher_create(&b, &s, L, seed) == 0 &&
-              tr_teacher_create(&c, &s, L, seed + 1) == 0,
+    CHECK(tr_teacher_create(&a, &s, L, rank, seed) == 0 && tr_teacher_create(&b, &s, L, rank, seed) == 0 &&
+              tr_teacher_create(&c, &s, L, rank, seed + 1) == 0,
           "teacher creation failed");
+    for (int l = 0; l < L; l++) { /* the router and W1 rows together span `rank` dimensions of x */
+        float *rows = malloc((size_t)((E + E * 2 * I) * H) * 4);
+        memcpy(rows, a.router + l * E * H, (size_t)(E * H) * 4);
+        memcpy(rows + E * H, a.w1 + l * E * 2 * I * H, (size_t)(E * 2 * I * H) * 4);
+        int64_t want = rank >= 1 && rank < H ? rank : H, got = matrix_rank(rows, E + E * 2 * I, H);
+        CHECK(got == want, "teacher layer %d: router and W1 have rank %lld, want %lld", l, (long long)got, (long long)want);
+        free(rows);
+    }
     CHECK(!memcmp(a.w1, b.w1, (size_t)(L * E * 2 * I * H) * 4) && !memcmp(a.gain, b.gain, (size_t)(L * H) * 4),
           "the same seed must give the same teacher");
     CHECK(memcmp(a.w1, c.w1, (size_t)(L * E * 2 * I * H) * 4), "another seed must give another teacher");
@@ -258,6 +296,7 @@ int main(void)
     test_moe(1, 1, 1, 1, 1, 0, 0); /* one token, one expert, no renormalisation */
     test_moe(16, 8, 4, 5, 1, 1, 1);
     test_moe(16, 8, 4, 5, 2, 0, 1);
-    test_teacher();
+    test_teacher(0);
+    test_teacher(3);
     return tu_end();
 }

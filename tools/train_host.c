@@ -166,23 +166,28 @@ int tr_moe_forward(const tr_moe_shape *s, const tr_moe_params *w, const double *
     return 0;
 }
 
-void tr_init_moe(tr_rng *r, const tr_moe_shape *s, double router_std, float *router, float *w1, float *w2)
+void tr_init_moe(tr_rng *r, const tr_moe_shape *s, double router_std, double out_std, float *router, float *w1,
+                 float *w2)
 {
     int64_t H = s->hidden, I = s->ffn, E = s->experts;
     tr_fill_normal(r, router, E * H, router_std / sqrt((double)H));
     tr_fill_normal(r, w1, E * 2 * I * H, 1.0 / sqrt((double)H));
-    tr_fill_normal(r, w2, E * H * I, 1.0 / sqrt((double)I));
+    tr_fill_normal(r, w2, E * H * I, out_std / sqrt((double)I));
 }
 
-int tr_teacher_create(tr_teacher *t, const tr_moe_shape *s, int layers, uint64_t seed)
+int tr_teacher_create(tr_teacher *t, const tr_moe_shape *s, int layers, int64_t rank, uint64_t seed)
 {
     int64_t H = s->hidden, I = s->ffn, E = s->experts;
     *t = (tr_teacher){.shape = *s, .layers = layers};
+    rank = rank < 1 || rank > H ? H : rank;
     t->gain = malloc((size_t)(layers * H) * sizeof(float));
     t->router = malloc((size_t)(layers * E * H) * sizeof(float));
     t->w1 = malloc((size_t)(layers * E * 2 * I * H) * sizeof(float));
     t->w2 = malloc((size_t)(layers * E * H * I) * sizeof(float));
-    if (!t->gain || !t->router || !t->w1 || !t->w2) {
+    float *proj = malloc((size_t)(rank * H) * sizeof(float));
+    float *coef = malloc((size_t)((E + E * 2 * I) * rank) * sizeof(float));
+    if (!t->gain || !t->router || !t->w1 || !t->w2 || !proj || !coef) {
+        free(proj), free(coef);
         tr_teacher_destroy(t);
         return -1;
     }
@@ -193,8 +198,26 @@ int tr_teacher_create(tr_teacher *t, const tr_moe_shape *s, int layers, uint64_t
          * deviation 2) give the students something to learn in every part. */
         for (int64_t i = 0; i < H; i++)
             t->gain[l * H + i] = (float)(1.0 + 0.2 * tr_normal(&r));
-        tr_init_moe(&r, s, 2.0, t->router + l * E * H, t->w1 + l * E * 2 * I * H, t->w2 + l * E * H * I);
+        float *router = t->router + l * E * H, *w1 = t->w1 + l * E * 2 * I * H;
+        tr_init_moe(&r, s, 2.0, 1.0, router, w1, t->w2 + l * E * H * I);
+        if (rank == H)
+            continue;
+        /* Router and W1 read x through one random rank-r projection P [r, H]:
+         * rows = C · P with C [rows, r], scaled like the full-rank weights. */
+        tr_fill_normal(&r, proj, rank * H, 1.0 / sqrt((double)H));
+        tr_fill_normal(&r, coef, E * rank, 2.0 / sqrt((double)rank));
+        tr_fill_normal(&r, coef + E * rank, E * 2 * I * rank, 1.0 / sqrt((double)rank));
+        for (int64_t row = 0; row < E + E * 2 * I; row++) {
+            float *dst = row < E ? router + row * H : w1 + (row - E) * H;
+            for (int64_t i = 0; i < H; i++) {
+                double acc = 0;
+                for (int64_t q = 0; q < rank; q++)
+                    acc += (double)coef[row * rank + q] * proj[q * H + i];
+                dst[i] = (float)acc;
+            }
+        }
     }
+    free(proj), free(coef);
     return 0;
 }
 

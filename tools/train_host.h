@@ -71,13 +71,17 @@ typedef struct {
     float *w2;     /* [L, E, H, I] */
 } tr_teacher;
 
-/* Parameter scales shared by the teacher and the students' initialisation:
- * unit-variance pre-activations for a unit-RMS input, router logits with
- * standard deviation `router_std`. */
-void tr_init_moe(tr_rng *r, const tr_moe_shape *s, double router_std, float *router, float *w1, float *w2);
+/* Random weights for the teacher and the students' initialisation:
+ * unit-variance expert pre-activations for a unit-RMS input, router logits
+ * of standard deviation `router_std`, W2 scaled so that an expert's output
+ * has about out_std² · E[(silu(g)·u)²] variance. */
+void tr_init_moe(tr_rng *r, const tr_moe_shape *s, double router_std, double out_std, float *router, float *w1,
+                 float *w2);
 
-/* 0 on success, -1 when out of memory. */
-int tr_teacher_create(tr_teacher *t, const tr_moe_shape *s, int layers, uint64_t seed);
+/* rank in [1, H): the router and W1 read x through one random rank-`rank`
+ * projection per layer; otherwise (0 or >= H) full-rank random weights.
+ * 0 on success, -1 when out of memory. */
+int tr_teacher_create(tr_teacher *t, const tr_moe_shape *s, int layers, int64_t rank, uint64_t seed);
 void tr_teacher_destroy(tr_teacher *t);
 /* y [T, H] = teacher(x [T, H]); 0 on success, -1 when out of memory. */
 int tr_teacher_forward(const tr_teacher *t, const float *x, int64_t T, float *y);
