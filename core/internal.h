@@ -19,6 +19,13 @@ typedef struct fm_backend {
     fm_status (*synchronize)(fm_context *ctx);
     fm_status (*set_stream)(fm_context *ctx, void *stream);
     void (*destroy)(fm_context *ctx);
+    /* Context memory (fm_context_alloc and friends); validated by core. */
+    fm_status (*mem_alloc)(fm_context *ctx, size_t bytes, void **out);
+    void (*mem_free)(fm_context *ctx, void *p);
+    fm_status (*mem_copy)(fm_context *ctx, void *dst, fm_device dd, const void *src, fm_device sd, size_t bytes);
+    fm_status (*mem_set)(fm_context *ctx, void *p, int value, size_t bytes);
+    /* fm_cast: unscaled F32/BF16/F16 conversion. */
+    fm_status (*cast)(fm_context *ctx, const fm_tensor *in, fm_tensor *out);
     /* fm_transpose_scaled and fm_convert_scaled: one re-encoding op. */
     fm_status (*requantize)(fm_context *ctx, const fm_requant_config *cfg, const fm_tensor *in, fm_tensor *out);
     /* fm_transpose_scaled_grouped. */
@@ -45,7 +52,8 @@ typedef struct fm_backend {
                                         const fm_tensor *row_map, const fm_tensor *slot_rows,
                                         const fm_tensor *probs, fm_tensor *dy, fm_tensor *dprobs);
     fm_status (*moe_swiglu)(fm_context *ctx, const fm_quant_config *cfg, const fm_tensor *in,
-                            const fm_tensor *probs, fm_tensor *out_row, fm_tensor *out_col);
+                            const fm_tensor *probs, fm_tensor *out_row, fm_tensor *out_col,
+                            fm_tensor *in_saved);
     fm_status (*moe_swiglu_backward)(fm_context *ctx, const fm_quant_config *cfg, const fm_tensor *dh,
                                      const fm_tensor *in, const fm_tensor *probs, fm_tensor *din_row,
                                      fm_tensor *din_col, fm_tensor *dprobs);

@@ -180,3 +180,113 @@ fm_status fm_scale_layout_convert(fm_context *ctx, const fm_tensor *src, fm_tens
     count(ctx, FM_OP_SCALE_LAYOUT_CONVERT, fm_tensor_scale_nbytes(src), fm_tensor_scale_nbytes(dst));
     return FM_OK;
 }
+
+/* Group g of a grouped column-wise tensor, as a standalone column-wise
+ * matrix [rows, C]: its data after the earlier groups' and its scale array
+ * after theirs (the layout fm_transpose_scaled_grouped writes). */
+static fm_tensor group_colwise_view(const fm_tensor *t, int64_t row0, int64_t rows, int64_t scale0)
+{
+    fm_tensor v = *t;
+    v.shape[0] = rows;
+    int64_t C = t->shape[1];
+    v.data = (uint8_t *)t->data + row0 * C * fm_dtype_bits(t->dtype) / 8;
+    v.scale = (uint8_t *)t->scale + scale0 * (t->scale_dtype == FM_DTYPE_E8M0 ? 1 : 4);
+    v.data_capacity = 0;
+    v.scale_capacity = 0;
+    return v;
+}
+
+static fm_tensor row_slice(const fm_tensor *t, int64_t row0, int64_t rows)
+{
+    fm_tensor v = *t;
+    v.shape[0] = rows;
+    v.data = (uint8_t *)t->data + row0 * t->shape[1] * fm_dtype_bits(t->dtype) / 8;
+    if (t->scale_mode)
+        v.scale = (uint8_t *)t->scale +
+                  row0 * (fm_tensor_scale_count(t) / (t->shape[0] ? t->shape[0] : 1)) *
+                      (t->scale_dtype == FM_DTYPE_E8M0 ? 1 : 4);
+    v.data_capacity = 0;
+    v.scale_capacity = 0;
+    return v;
+}
+
+fm_status fm_quantize_grouped(fm_context *ctx, const fm_quant_config *cfg_in, const fm_splits *splits,
+                              const fm_tensor *in, fm_tensor *out_row, fm_tensor *out_col)
+{
+    if (!ctx)
+        return FM_ERR_INVALID_ARG;
+    fm_error_clear(ctx);
+    fm_quant_config cfg = cfg_in ? *cfg_in : (fm_quant_config){0};
+    fm_status st;
+    if (cfg.amax || cfg.nonfinite_blocks)
+        return fm_error(ctx, FM_ERR_INVALID_ARG,
+                        "cfg->amax, cfg->nonfinite_blocks: not produced by fm_quantize_grouped; leave them NULL "
+                        "(fm_quantize gives them for the whole tensor)");
+    if ((st = fm_check_tensor(ctx, in, "in", FM_CHK_HIGH | FM_CHK_UNSCALED | FM_CHK_ROWWISE)))
+        return st;
+    if (in->ndim != 2)
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "in: must be 2-D [rows, cols] (the groups split the rows)");
+    if ((st = fm_check_splits(ctx, splits, "splits", in->shape[0], "in")))
+        return st;
+    if (!out_row && !out_col)
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "out_rowwise, out_colwise: both are NULL; give at least one");
+    if (out_row && (st = check_quant_output(ctx, &cfg, in, out_row, "out_rowwise", FM_CHK_ROWWISE)))
+        return st;
+    if (out_col) {
+        /* The whole-tensor checks except the scale size, which is the groups' sum. */
+        fm_tensor whole = *out_col;
+        whole.scale_capacity = 0;
+        if ((st = check_quant_output(ctx, &cfg, in, &whole, "out_colwise", FM_CHK_COLWISE)))
+            return st;
+        int64_t need = 0;
+        for (int64_t g = 0; g < splits->groups; g++) {
+            fm_tensor v = group_colwise_view(out_col, 0, splits->host[g], 0);
+            if (out_col->dtype == FM_DTYPE_E2M1 && (splits->host[g] & 1))
+                return fm_error(ctx, FM_ERR_INVALID_ARG,
+                                "splits->host[%lld]: %lld is odd; an E2M1 column-wise group stores its rows as "
+                                "packed pairs, so every group size must be even",
+                                (long long)g, (long long)splits->host[g]);
+            need += fm_tensor_scale_count(&v);
+        }
+        int64_t bytes = need * (out_col->scale_dtype == FM_DTYPE_E8M0 ? 1 : 4);
+        if (out_col->scale_capacity && out_col->scale_capacity < bytes)
+            return fm_error(ctx, FM_ERR_INVALID_ARG,
+                            "out_colwise->scale_capacity: %lld bytes, the grouped layout needs %lld",
+                            (long long)out_col->scale_capacity, (long long)bytes);
+        if (out_row && (st = fm_check_no_alias(ctx, out_row, "out_rowwise", out_col, "out_colwise")))
+            return st;
+    }
+    if (!ctx->be->quantize)
+        return fm_error(ctx, FM_ERR_UNSUPPORTED, "fm_quantize_grouped: the %s backend does not implement it",
+                        ctx->be->name);
+    /* Row-wise scales in the GEMM layout interleave the groups, and TENSOR or
+     * 128x128 scales span them: one call for the whole row-wise output then,
+     * and column-wise per group. Row-local compact scales go group by group
+     * with the column-wise output, in one pass over each group's input. */
+    int row_local = out_row && out_row->scale_layout == FM_SCALE_LAYOUT_COMPACT &&
+                    (out_row->scale_mode == FM_SCALE_ROW || out_row->scale_mode == FM_SCALE_BLOCK_1x128 ||
+                     out_row->scale_mode == FM_SCALE_MX32);
+    int row_whole = out_row && !row_local;
+    if (row_whole && (st = ctx->be->quantize(ctx, &cfg, in, out_row, NULL)))
+        return st;
+    int64_t r0 = 0, s0 = 0;
+    for (int64_t g = 0; g < splits->groups; g++) {
+        int64_t m = splits->host[g];
+        if (m == 0)
+            continue;
+        fm_tensor ig = row_slice(in, r0, m), rg, cg;
+        if (out_row && !row_whole)
+            rg = row_slice(out_row, r0, m);
+        if (out_col)
+            cg = group_colwise_view(out_col, r0, m, s0);
+        fm_tensor *rp = out_row && !row_whole ? &rg : NULL, *cp = out_col ? &cg : NULL;
+        if ((rp || cp) && (st = ctx->be->quantize(ctx, &cfg, &ig, rp, cp)))
+            return st;
+        if (out_col)
+            s0 += fm_tensor_scale_count(&cg);
+        r0 += m;
+    }
+    ctx->stats.casts_to_low++;
+    count(ctx, FM_OP_QUANTIZE_GROUPED, tensor_bytes(in), tensor_bytes(out_row) + tensor_bytes(out_col));
+    return FM_OK;
+}

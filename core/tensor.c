@@ -134,6 +134,23 @@ int64_t fm_tensor_scale_count(const fm_tensor *t)
            fm_scale_count_2d(t->scale_mode, t->scale_layout, fm_tensor_stored_rows(t), fm_tensor_stored_cols(t));
 }
 
+int64_t fm_tensor_grouped_scale_count(const fm_tensor *t, const fm_splits *splits)
+{
+    if (!t || t->ndim != 2 || fm_tensor_scale_count(t) < 0 || !splits || splits->groups < 1 || !splits->host)
+        return -1;
+    int64_t rows = t->shape[0], cols = t->shape[1], seen = 0, n = 0;
+    for (int64_t g = 0; g < splits->groups; g++) {
+        int64_t m = splits->host[g];
+        if (m < 0 || m > rows - seen)
+            return -1;
+        seen += m;
+        if (t->scale_mode != FM_SCALE_NONE)
+            n += t->layout == FM_LAYOUT_COLWISE ? fm_scale_count_2d(t->scale_mode, t->scale_layout, cols, m)
+                                                : fm_scale_count_2d(t->scale_mode, t->scale_layout, m, cols);
+    }
+    return seen == rows ? n : -1;
+}
+
 int64_t fm_tensor_scale_nbytes(const fm_tensor *t)
 {
     int64_t n = fm_tensor_scale_count(t);

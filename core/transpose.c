@@ -4,17 +4,53 @@
 
 static int block_mode(fm_scale_mode m) { return m == FM_SCALE_BLOCK_1x128 || m == FM_SCALE_MX32; }
 
-static fm_status check_requant(fm_context *ctx, const fm_requant_config *cfg, const fm_tensor *in,
-                               const fm_tensor *out, int transpose)
+/* Bytes of out's scale array: the grouped one when splits are given. */
+static int64_t out_scale_nbytes(const fm_tensor *out, const fm_splits *splits)
+{
+    if (!splits)
+        return fm_tensor_scale_nbytes(out);
+    return fm_tensor_grouped_scale_count(out, splits) * (fm_dtype_bits(out->scale_dtype) / 8);
+}
+
+/* Rows of the grouped layout must stay whole bytes per group when E2M1 packs them. */
+static fm_status check_grouped(fm_context *ctx, const fm_splits *splits, const fm_tensor *in, const fm_tensor *out)
+{
+    fm_status st;
+    if (in->ndim != 2)
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "in: the grouped transpose takes a 2-D [sum(M_i), N] tensor, "
+                        "got ndim %d", in->ndim);
+    if ((st = fm_check_splits(ctx, splits, "splits", in->shape[0], "in")))
+        return st;
+    if (in->scale_mode == FM_SCALE_BLOCK_128x128 || out->scale_mode == FM_SCALE_BLOCK_128x128)
+        return fm_error(ctx, FM_ERR_INVALID_ARG,
+                        "in, out: the grouped transpose takes BLOCK_1x128 or MX32 (power-of-two block scales), "
+                        "not BLOCK_128x128");
+    if (out->dtype == FM_DTYPE_E2M1)
+        for (int64_t g = 0; g < splits->groups; g++)
+            if (splits->host[g] & 1)
+                return fm_error(ctx, FM_ERR_INVALID_ARG,
+                                "splits: out is E2M1 (two codes a byte) and each group's rows become its own "
+                                "stored rows, so every group needs an even size; group %lld has %lld",
+                                (long long)g, (long long)splits->host[g]);
+    return FM_OK;
+}
+
+/* splits: NULL for fm_transpose_scaled / fm_convert_scaled, the groups of
+ * fm_transpose_scaled_grouped (whose out scale array is the grouped one). */
+static fm_status check_requant(fm_context *ctx, const fm_requant_config *cfg, const fm_splits *splits,
+                               const fm_tensor *in, const fm_tensor *out, int transpose)
 {
     fm_status st;
     if ((unsigned)cfg->rule >= FM_REQUANT_RULE_COUNT)
         return fm_error(ctx, FM_ERR_INVALID_ARG, "cfg->rule: %d is not an fm_requant_rule", (int)cfg->rule);
-    if ((st = fm_check_tensor(ctx, in, "in", FM_CHK_QUANT)))
+    unsigned grouped_in = splits ? FM_CHK_ROWWISE : 0, grouped_out = splits ? FM_CHK_COLWISE : 0;
+    if ((st = fm_check_tensor(ctx, in, "in", FM_CHK_QUANT | grouped_in)))
         return st;
-    if ((st = fm_check_tensor(ctx, out, "out", FM_CHK_QUANT)))
+    if ((st = fm_check_tensor(ctx, out, "out", FM_CHK_QUANT | grouped_out)))
         return st;
     if ((st = fm_check_same_shape(ctx, in, "in", out, "out")))
+        return st;
+    if (splits && (st = check_grouped(ctx, splits, in, out)))
         return st;
     if (transpose && in->layout == out->layout)
         return fm_error(ctx, FM_ERR_INVALID_ARG,
@@ -55,10 +91,29 @@ static fm_status check_requant(fm_context *ctx, const fm_requant_config *cfg, co
     if (cfg->nonfinite_blocks && ((uintptr_t)cfg->nonfinite_blocks % sizeof(int64_t)))
         return fm_error(ctx, FM_ERR_INVALID_ARG, "cfg->nonfinite_blocks: %p is not 8-byte aligned",
                         (void *)cfg->nonfinite_blocks);
-    if ((st = fm_check_no_alias(ctx, out, "out", in, "in")))
-        return st;
-    return fm_check_disjoint(ctx, out->data, fm_tensor_nbytes(out), "out->data", out->scale,
-                             fm_tensor_scale_nbytes(out), "out->scale");
+    if (!splits) {
+        if ((st = fm_check_no_alias(ctx, out, "out", in, "in")))
+            return st;
+        return fm_check_disjoint(ctx, out->data, fm_tensor_nbytes(out), "out->data", out->scale,
+                                 fm_tensor_scale_nbytes(out), "out->scale");
+    }
+    /* The grouped scale array is longer than the ungrouped one that
+     * fm_check_tensor and fm_check_no_alias measure. */
+    const int64_t out_sbytes = out_scale_nbytes(out, splits);
+    if (out->scale_capacity > 0 && out_sbytes > out->scale_capacity)
+        return fm_error(ctx, FM_ERR_INVALID_ARG,
+                        "out: scale_capacity is %lld bytes but the grouped %s layout over splits needs %lld",
+                        (long long)out->scale_capacity, fm_scale_layout_name(out->scale_layout),
+                        (long long)out_sbytes);
+    const void *ob[2] = {out->data, out->scale}, *ib[2] = {in->data, in->scale};
+    const int64_t on[2] = {fm_tensor_nbytes(out), out_sbytes};
+    const int64_t inn[2] = {fm_tensor_nbytes(in), fm_tensor_scale_nbytes(in)};
+    static const char *oname[2] = {"out->data", "out->scale"}, *iname[2] = {"in->data", "in->scale"};
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 2; j++)
+            if ((st = fm_check_disjoint(ctx, ob[i], on[i], oname[i], ib[j], inn[j], iname[j])))
+                return st;
+    return fm_check_disjoint(ctx, out->data, on[0], "out->data", out->scale, on[1], "out->scale");
 }
 
 static fm_status requant(fm_context *ctx, const fm_requant_config *cfg_in, const fm_tensor *in, fm_tensor *out,
@@ -68,7 +123,7 @@ static fm_status requant(fm_context *ctx, const fm_requant_config *cfg_in, const
         return FM_ERR_INVALID_ARG;
     fm_error_clear(ctx);
     fm_requant_config cfg = cfg_in ? *cfg_in : (fm_requant_config){0};
-    fm_status st = check_requant(ctx, &cfg, in, out, transpose);
+    fm_status st = check_requant(ctx, &cfg, NULL, in, out, transpose);
     if (st)
         return st;
     const char *op = transpose ? "fm_transpose_scaled" : "fm_convert_scaled";
@@ -93,4 +148,29 @@ fm_status fm_transpose_scaled(fm_context *ctx, const fm_requant_config *cfg, con
 fm_status fm_convert_scaled(fm_context *ctx, const fm_requant_config *cfg, const fm_tensor *in, fm_tensor *out)
 {
     return requant(ctx, cfg, in, out, 0);
+}
+
+fm_status fm_transpose_scaled_grouped(fm_context *ctx, const fm_requant_config *cfg_in, const fm_splits *splits,
+                                      const fm_tensor *in, fm_tensor *out)
+{
+    if (!ctx)
+        return FM_ERR_INVALID_ARG;
+    fm_error_clear(ctx);
+    fm_requant_config cfg = cfg_in ? *cfg_in : (fm_requant_config){0};
+    if (!splits)
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "splits: the splits pointer is NULL");
+    fm_status st = check_requant(ctx, &cfg, splits, in, out, 1);
+    if (st)
+        return st;
+    if (!ctx->be->requantize_grouped)
+        return fm_error(ctx, FM_ERR_UNSUPPORTED,
+                        "fm_transpose_scaled_grouped: the %s backend does not implement it yet", ctx->be->name);
+    if ((st = ctx->be->requantize_grouped(ctx, &cfg, splits, in, out)))
+        return st;
+    /* Not a cast, like fm_transpose_scaled. */
+    ctx->stats.calls[FM_OP_TRANSPOSE_SCALED_GROUPED]++;
+    ctx->stats.op_calls++;
+    ctx->stats.bytes_read += fm_tensor_nbytes(in) + fm_tensor_scale_nbytes(in);
+    ctx->stats.bytes_written += fm_tensor_nbytes(out) + out_scale_nbytes(out, splits);
+    return FM_OK;
 }

@@ -183,3 +183,35 @@ fm_status fm_check_no_alias(fm_context *ctx, const fm_tensor *out, const char *o
         }
     return FM_OK;
 }
+
+fm_status fm_check_splits(fm_context *ctx, const fm_splits *splits, const char *name, int64_t rows,
+                          const char *rows_name)
+{
+    if (!splits)
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: the splits pointer is NULL", name);
+    if (splits->groups < 1)
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: groups is %lld; there must be at least one group", name,
+                        (long long)splits->groups);
+    if (!splits->host)
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: host is NULL; this op needs the group sizes in host memory",
+                        name);
+    int64_t sum = 0;
+    for (int64_t g = 0; g < splits->groups; g++) {
+        int64_t m = splits->host[g];
+        if (m < 0)
+            return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: group %lld has %lld rows; sizes must be >= 0", name,
+                            (long long)g, (long long)m);
+        if (m > rows - sum)
+            return fm_error(ctx, FM_ERR_INVALID_ARG,
+                            "%s: the group sizes up to group %lld add up to more than the %lld rows of %s", name,
+                            (long long)g, (long long)rows, rows_name);
+        sum += m;
+    }
+    if (sum != rows)
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: the group sizes add up to %lld but %s has %lld rows", name,
+                        (long long)sum, rows_name, (long long)rows);
+    if (splits->device && ((uintptr_t)splits->device % sizeof(int64_t)))
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: device %p is not 8-byte aligned", name,
+                        (const void *)splits->device);
+    return FM_OK;
+}

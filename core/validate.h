@@ -28,4 +28,9 @@ fm_status fm_check_disjoint(fm_context *ctx, const void *p, int64_t pn, const ch
 fm_status fm_check_no_alias(fm_context *ctx, const fm_tensor *out, const char *on, const fm_tensor *other,
                             const char *tn);
 
+/* Group sizes along `rows` rows of tensor `rows_name`: groups >= 1, host
+ * sizes present, each >= 0, adding up to rows. */
+fm_status fm_check_splits(fm_context *ctx, const fm_splits *splits, const char *name, int64_t rows,
+                          const char *rows_name);
+
 #endif

@@ -892,6 +892,143 @@ static void rq_run(xv_env *x, xv_counts *cnt, int transpose)
 static void xv_transpose_scaled(xv_env *x, xv_counts *cnt) { rq_run(x, cnt, 1); }
 static void xv_convert_scaled(xv_env *x, xv_counts *cnt) { rq_run(x, cnt, 0); }
 
+/* ---- op: transpose_scaled_grouped -------------------------------------------
+ * Ragged splits with empty groups (and groups of 1, 127, 128, 129 rows) of a
+ * row-wise input of every kind (scrambled included) in every format pair;
+ * codes, the grouped scale arrays (GEMM padding too) and the nonfinite count
+ * compared bit for bit; odd E2M1 groups and non-power-of-two scales refused
+ * alike. */
+
+/* refuse: 0 a valid call, 1 plant a non-power-of-two scale, 2 splits the
+ * op must refuse as they are; refusals must be alike and write nothing. */
+static int rqg_case(xv_env *x, const int64_t *sizes, int64_t G, int64_t N, const xv_qcfg *ic, const xv_qcfg *oc,
+                    fm_requant_rule rule, int kind, int refuse, const char *name)
+{
+    int res = 1;
+    int64_t rows = 0;
+    for (int64_t g = 0; g < G; g++)
+        rows += sizes[g];
+    const xv_shape s = {1, rows, N, 2, 0};
+    xv_qout in, out;
+    xv_buf nonf = {0};
+    memset(&in, 0, sizeof in);
+    memset(&out, 0, sizeof out);
+    fm_splits sp = {.groups = G, .host = sizes};
+    if (!rq_make_input(x, &in, &s, ic, FM_LAYOUT_ROWWISE, kind)) {
+        res = x->cuda_broken ? 1 : 2;
+        goto done;
+    }
+    if (refuse == 1 && in.th.scale_dtype == FM_DTYPE_F32 && in.scale.n >= 4) {
+        int64_t R = fm_tensor_stored_rows(&in.th), C = fm_tensor_stored_cols(&in.th);
+        int64_t r = rndi(x, 0, (int)(R - 1)), cb = rndi(x, 0, (int)(fm_cdiv(C, fm_mode_block_cols(ic->mode)) - 1));
+        ((float *)in.scale.h)[fm_scale_offset(ic->mode, ic->sl, R, C, r, cb * fm_mode_block_cols(ic->mode))] = 0.75f;
+        if (!buf_upload(x, &in.scale))
+            goto done;
+    }
+    if (!qout_setup(x, &out, &s, oc, FM_LAYOUT_COLWISE))
+        goto done;
+    /* The grouped scale array replaces the ungrouped one. */
+    int64_t ns = fm_tensor_grouped_scale_count(&out.th, &sp);
+    buf_free(&out.scale);
+    if (ns < 0 || !buf_alloc(x, &out.scale, (size_t)ns * (size_t)(fm_dtype_bits(out.th.scale_dtype) / 8)) ||
+        !buf_poison(x, &out.scale) || !buf_alloc(x, &nonf, 8) || !buf_poison(x, &nonf))
+        goto done;
+    out.th.scale = out.scale.h;
+    out.td.scale = out.scale.d;
+    fm_requant_config ch = {.rule = rule, .nonfinite_blocks = nonf.h};
+    fm_requant_config cd = {.rule = rule, .nonfinite_blocks = nonf.d};
+    fm_status stc = fm_transpose_scaled_grouped(x->cpu, &ch, &sp, &in.th, &out.th);
+    char cmsg[768];
+    snprintf(cmsg, sizeof cmsg, "%s", fm_last_error(x->cpu));
+    fm_status stg = fm_transpose_scaled_grouped(x->gpu, &cd, &sp, &in.td, &out.td);
+    if (stg == FM_OK && !cuda_ok(x, cudaDeviceSynchronize(), name))
+        stg = FM_ERR_BACKEND;
+    if (refuse) {
+        /* Refused alike: the same sentence, and the device outputs still hold their poison. */
+        int ok = stc == FM_ERR_INVALID_ARG && stg == FM_ERR_INVALID_ARG && !strcmp(cmsg, fm_last_error(x->gpu));
+        if (!ok && x->printed++ < 20)
+            fprintf(stderr, "FAIL %s: expected both to refuse alike: cpu %s (%s) gpu %s (%s)\n", name,
+                    fm_status_name(stc), cmsg, fm_status_name(stg), fm_last_error(x->gpu));
+        memset(out.data.h, 0xA5, out.data.n);
+        memset(out.scale.h, 0xA5, out.scale.n);
+        res = ok && buf_same(x, &out.data, "codes of a refused call", name) &&
+                      buf_same(x, &out.scale, "scales of a refused call", name)
+                  ? 0
+                  : 1;
+        goto done;
+    }
+    if ((res = status_verdict(x, name, stc, cmsg, stg)) >= 0)
+        goto done;
+    res = (buf_same(x, &out.data, "codes", name) & buf_same(x, &out.scale, "scales", name) &
+           buf_same(x, &nonf, "nonfinite_blocks", name))
+              ? 0
+              : 1;
+done:
+    qout_free(&in);
+    qout_free(&out);
+    buf_free(&nonf);
+    return res;
+}
+
+static void xv_transpose_scaled_grouped(xv_env *x, xv_counts *cnt)
+{
+    static const int64_t s_edge[] = {0, 1, 127, 128, 129, 0, 300}, s_one[] = {0, 0, 515, 0};
+    static const int64_t s_single[] = {1}, s_empty[] = {0, 0};
+    static const int64_t Ns[] = {128, 130, 1000, 32, 258, 2};
+    long serial = 0;
+    for (int fi = 0; fi < NRQFMTS && !x->cuda_broken; fi++)
+        for (int fo = 0; fo < NRQFMTS && !x->cuda_broken; fo++)
+            for (int v = 0; v < 6 && !x->cuda_broken; v++) {
+                serial++;
+                if (x->quick && serial % 3)
+                    continue;
+                const xv_rqfmt *a = &rq_fmts[fi], *b = &rq_fmts[fo];
+                const int e2m1_out = b->elem == FM_DTYPE_E2M1;
+                int64_t sz[12], G;
+                const int64_t *src = v == 0 ? s_edge : v == 1 ? s_one : v == 2 ? s_single : v == 3 ? s_empty : NULL;
+                G = v == 0 ? 7 : v == 1 ? 4 : v == 2 ? 1 : v == 3 ? 2 : 12;
+                for (int64_t g = 0; g < G; g++) {
+                    sz[g] = src ? src[g] : (rnd(x) % 4 == 0 ? 0 : rndi(x, 1, v == 5 ? 2000 : 300));
+                    if (e2m1_out)
+                        sz[g] += sz[g] & 1; /* odd groups are refused for E2M1 outputs: see below */
+                }
+                int64_t N = Ns[serial % 6];
+                if (a->elem == FM_DTYPE_E2M1 && (N & 1))
+                    N++;
+                int same = a->elem == b->elem && a->mode == b->mode;
+                fm_requant_rule rule = FM_REQUANT_TIGHT;
+                if (serial % 3 == 1 && same)
+                    rule = FM_REQUANT_ROWMAX;
+                else if (serial % 3 == 2 && b->mode == FM_SCALE_MX32)
+                    rule = FM_REQUANT_MX_FLOOR;
+                xv_qcfg ic = {a->elem, a->mode, FM_SCALE_RULE_POW2,
+                              (serial / 2) % 2 ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT};
+                xv_qcfg oc = {b->elem, b->mode, FM_SCALE_RULE_POW2,
+                              (serial / 4) % 2 ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT};
+                int kind = (int)(serial % RQ_KINDS);
+                char name[320];
+                int n = snprintf(name, sizeof name, "transpose_scaled_grouped N=%lld %s %s %s -> %s %s %s rule=%s "
+                                 "kind=%s splits", (long long)N, fm_dtype_name(a->elem), fm_scale_mode_name(a->mode),
+                                 fm_scale_layout_name(ic.sl), fm_dtype_name(b->elem), fm_scale_mode_name(b->mode),
+                                 fm_scale_layout_name(oc.sl), rq_rule_name[rule], rq_kind_name(kind));
+                for (int64_t g = 0; g < G && n < (int)sizeof name - 8; g++)
+                    n += snprintf(name + n, sizeof name - (size_t)n, " %lld", (long long)sz[g]);
+                tally(x, cnt, rqg_case(x, sz, G, N, &ic, &oc, rule, kind, 0, name), name);
+            }
+    /* Refusals: a non-power-of-two F32 scale, and an odd group for an E2M1 output. */
+    static const int64_t s_bad[] = {100, 0, 157}, s_odd[] = {100, 3, 157};
+    for (int k = 0; k < 4 && !x->cuda_broken; k++) {
+        const xv_rqfmt *a = &rq_fmts[k % 2], *b = k < 2 ? a : &rq_fmts[4];
+        xv_qcfg ic = {a->elem, a->mode, FM_SCALE_RULE_POW2, k & 1 ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT};
+        xv_qcfg oc = {b->elem, b->mode, FM_SCALE_RULE_POW2, FM_SCALE_LAYOUT_COMPACT};
+        char name[200];
+        snprintf(name, sizeof name, "transpose_scaled_grouped %s refused alike",
+                 k < 2 ? "non-pow2 scale" : "odd E2M1 group");
+        int r = rqg_case(x, k < 2 ? s_bad : s_odd, 3, 256, &ic, &oc, FM_REQUANT_TIGHT, K_RANDOM, k < 2 ? 1 : 2, name);
+        tally(x, cnt, r == 2 ? 1 : r, name);
+    }
+}
+
 /* ---- the op table: a later op registers here ------------------------------- */
 
 typedef void (*xv_op_fn)(xv_env *x, xv_counts *c);
@@ -904,6 +1041,7 @@ static const struct {
     {"scale_layout_convert", xv_scale_layout_convert},
     {"transpose_scaled", xv_transpose_scaled},
     {"convert_scaled", xv_convert_scaled},
+    {"transpose_scaled_grouped", xv_transpose_scaled_grouped},
 };
 #define NOPS (int)(sizeof xv_ops / sizeof xv_ops[0])
 

@@ -8,7 +8,10 @@ fm_status fm_cpu_quantize(fm_context *ctx, const fm_quant_config *cfg, const fm_
                           fm_tensor *out_col);
 fm_status fm_cpu_dequantize(fm_context *ctx, const fm_tensor *in, fm_tensor *out);
 fm_status fm_cpu_scale_layout_convert(fm_context *ctx, const fm_tensor *src, fm_tensor *dst);
+fm_status fm_cpu_cast(fm_context *ctx, const fm_tensor *in, fm_tensor *out);
 fm_status fm_cpu_requantize(fm_context *ctx, const fm_requant_config *cfg, const fm_tensor *in, fm_tensor *out);
+fm_status fm_cpu_requantize_grouped(fm_context *ctx, const fm_requant_config *cfg, const fm_splits *splits,
+                                    const fm_tensor *in, fm_tensor *out);
 
 /* Runs fn(arg, begin, end, worker) over [0, n) split into contiguous chunks
  * of at least min_chunk, one per worker (at most ctx->cpu_threads, at most

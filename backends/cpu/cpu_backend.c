@@ -1,6 +1,7 @@
 /* The CPU backend: the reference every other backend is checked against. */
 #include <pthread.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 #include "cpu.h"
@@ -8,6 +9,39 @@
 static fm_status cpu_synchronize(fm_context *ctx)
 {
     (void)ctx;
+    return FM_OK;
+}
+
+static fm_status cpu_mem_alloc(fm_context *ctx, size_t bytes, void **out)
+{
+    /* 256-byte alignment like cudaMalloc, so descriptors valid on one backend stay valid on the other. */
+    size_t n = (bytes + 255) & ~(size_t)255;
+    *out = aligned_alloc(256, n);
+    if (!*out)
+        return fm_error(ctx, FM_ERR_OUT_OF_MEMORY, "fm_context_alloc: %zu bytes of host memory are not available",
+                        bytes);
+    return FM_OK;
+}
+
+static void cpu_mem_free(fm_context *ctx, void *p)
+{
+    (void)ctx;
+    free(p);
+}
+
+static fm_status cpu_mem_copy(fm_context *ctx, void *dst, fm_device dd, const void *src, fm_device sd, size_t bytes)
+{
+    (void)ctx;
+    (void)dd;
+    (void)sd;
+    memcpy(dst, src, bytes);
+    return FM_OK;
+}
+
+static fm_status cpu_mem_set(fm_context *ctx, void *p, int value, size_t bytes)
+{
+    (void)ctx;
+    memset(p, value, bytes);
     return FM_OK;
 }
 
@@ -20,8 +54,13 @@ const fm_backend fm_cpu_backend = {
     /* .synchronize          = */ cpu_synchronize,
     /* .set_stream           = */ NULL,
     /* .destroy              = */ NULL,
+    /* .mem_alloc            = */ cpu_mem_alloc,
+    /* .mem_free             = */ cpu_mem_free,
+    /* .mem_copy             = */ cpu_mem_copy,
+    /* .mem_set              = */ cpu_mem_set,
+    /* .cast                 = */ fm_cpu_cast,
     /* .requantize           = */ fm_cpu_requantize,
-    /* .requantize_grouped    = */ NULL,
+    /* .requantize_grouped    = */ fm_cpu_requantize_grouped,
     /* .gemm                  = */ NULL,
     /* .grouped_gemm          = */ NULL,
     /* .grouped_gemm_wgrad    = */ NULL,

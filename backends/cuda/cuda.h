@@ -49,7 +49,10 @@ fm_status fm_cuda_quantize(fm_context *ctx, const fm_quant_config *cfg, const fm
                            fm_tensor *out_col);
 fm_status fm_cuda_dequantize(fm_context *ctx, const fm_tensor *in, fm_tensor *out);
 fm_status fm_cuda_scale_layout_convert(fm_context *ctx, const fm_tensor *src, fm_tensor *dst);
+fm_status fm_cuda_cast(fm_context *ctx, const fm_tensor *in, fm_tensor *out);
 fm_status fm_cuda_requantize(fm_context *ctx, const fm_requant_config *cfg, const fm_tensor *in, fm_tensor *out);
+fm_status fm_cuda_requantize_grouped(fm_context *ctx, const fm_requant_config *cfg, const fm_splits *splits,
+                                     const fm_tensor *in, fm_tensor *out);
 
 #ifdef __cplusplus
 }

@@ -112,6 +112,46 @@ static void cuda_destroy(fm_context *ctx)
     ctx->be_state = NULL;
 }
 
+static fm_status cuda_mem_alloc(fm_context *ctx, size_t bytes, void **out)
+{
+    fm_cuda_device_guard g;
+    fm_status st = fm_cuda_enter(ctx, &g, "fm_context_alloc");
+    if (st)
+        return st;
+    return fm_cuda_leave(ctx, &g, cudaMalloc(out, bytes), "fm_context_alloc: cudaMalloc");
+}
+
+static void cuda_mem_free(fm_context *ctx, void *p)
+{
+    fm_cuda_device_guard g;
+    if (fm_cuda_enter(ctx, &g, "fm_context_free") == FM_OK)
+        fm_cuda_leave(ctx, &g, cudaFree(p), "fm_context_free: cudaFree");
+}
+
+static fm_status cuda_mem_copy(fm_context *ctx, void *dst, fm_device dd, const void *src, fm_device sd, size_t bytes)
+{
+    fm_cuda_device_guard g;
+    fm_status st = fm_cuda_enter(ctx, &g, "fm_context_copy");
+    if (st)
+        return st;
+    cudaStream_t s = fm_cuda_stream(ctx);
+    cudaError_t err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s);
+    /* Host memory may be reused the moment the call returns: wait for it. */
+    if (err == cudaSuccess && (dd == FM_DEVICE_HOST || sd == FM_DEVICE_HOST))
+        err = cudaStreamSynchronize(s);
+    return fm_cuda_leave(ctx, &g, err, "fm_context_copy: cudaMemcpyAsync");
+}
+
+static fm_status cuda_mem_set(fm_context *ctx, void *p, int value, size_t bytes)
+{
+    fm_cuda_device_guard g;
+    fm_status st = fm_cuda_enter(ctx, &g, "fm_context_memset");
+    if (st)
+        return st;
+    return fm_cuda_leave(ctx, &g, cudaMemsetAsync(p, value, bytes, fm_cuda_stream(ctx)),
+                         "fm_context_memset: cudaMemsetAsync");
+}
+
 static const fm_backend cuda_backend = {
     /* .name                 = */ "cuda",
     /* .device               = */ FM_DEVICE_CUDA,
@@ -121,8 +161,13 @@ static const fm_backend cuda_backend = {
     /* .synchronize          = */ cuda_synchronize,
     /* .set_stream           = */ cuda_set_stream,
     /* .destroy              = */ cuda_destroy,
+    /* .mem_alloc            = */ cuda_mem_alloc,
+    /* .mem_free             = */ cuda_mem_free,
+    /* .mem_copy             = */ cuda_mem_copy,
+    /* .mem_set              = */ cuda_mem_set,
+    /* .cast                 = */ fm_cuda_cast,
     /* .requantize           = */ fm_cuda_requantize,
-    /* .requantize_grouped    = */ NULL,
+    /* .requantize_grouped    = */ fm_cuda_requantize_grouped,
     /* .gemm                  = */ NULL,
     /* .grouped_gemm          = */ NULL,
     /* .grouped_gemm_wgrad    = */ NULL,

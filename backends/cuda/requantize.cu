@@ -65,6 +65,13 @@
 #define RQ_KEY_MIN (-(8 * (1 << 20)))
 #define RQ_BADP 1000 /* output exponent slot of a non-finite block */
 
+/* One group of fm_transpose_scaled_grouped, with a sentinel after the last:
+ * its first input row, first tile row (of the [sum(M_i), N] input cut into
+ * 128-row tiles group by group) and first output scale entry. */
+typedef struct rqgrp {
+    int64_t row0, trow0, s0;
+} rqgrp;
+
 typedef struct rqparams {
     const uint8_t *in;
     const void *in_scale;
@@ -82,6 +89,12 @@ typedef struct rqparams {
     int64_t ib, ob;   /* code bytes per expert */
     uint32_t ntiles;
     fm_fastdiv ntc, ntr; /* tiles per tile row, tile rows per expert */
+    /* Grouped: the table (groups + 1 entries), E2M1 halving of byte offsets,
+     * and what a group's output needs for vector stores. */
+    const rqgrp *grp;
+    int64_t groups;
+    int in_half, out_half;
+    int vo_align, vo_cols;
 } rqparams;
 
 /* ---- small device helpers ------------------------------------------------- */
@@ -92,23 +105,73 @@ FM_DI uint32_t rq_move(uint32_t x, int from, int to) { return from >= to ? x >> 
 FM_DI int rq_max(int a, int b) { return a > b ? a : b; }
 FM_DI int rq_min(int a, int b) { return a < b ? a : b; }
 
-FM_DI void rq_tile(const rqparams &p, uint32_t t, int64_t *e, int64_t *r0, int64_t *c0)
+/* Tile t of one matrix: an expert of a 2-D / 3-D tensor, or (G) a group of
+ * fm_transpose_scaled_grouped, whose rows are rows srow.. of the input and
+ * whose output is its own column-wise matrix and scale array. */
+typedef struct rqtile {
+    int64_t r0, c0;      /* tile origin in the matrix's stored input */
+    int64_t R;           /* the matrix's stored input rows */
+    int64_t srow;        /* its row 0 among the p.R rows of the input scale array */
+    int64_t sin0, sout0; /* first entries of its input and output scale arrays */
+    int64_t Co, nbo;     /* its stored output columns, output blocks per stored output row */
+    const uint8_t *in;
+    uint8_t *out;
+    bool vec_out;
+} rqtile;
+
+template <bool G>
+FM_DI rqtile rq_tile(const rqparams &p, uint32_t t)
 {
-    const uint32_t tq = fm_fastdiv_div(p.ntc, t), te = fm_fastdiv_div(p.ntr, tq);
-    *c0 = (int64_t)(t - tq * p.ntc.d) * RQT;
-    *r0 = (int64_t)(tq - te * p.ntr.d) * RQT;
-    *e = te;
+    rqtile k;
+    const uint32_t tq = fm_fastdiv_div(p.ntc, t);
+    k.c0 = (int64_t)(t - tq * p.ntc.d) * RQT;
+    if (!G) {
+        const uint32_t te = fm_fastdiv_div(p.ntr, tq);
+        k.r0 = (int64_t)(tq - te * p.ntr.d) * RQT;
+        k.R = p.R;
+        k.srow = 0;
+        k.sin0 = te * p.sin;
+        k.sout0 = te * p.sout;
+        k.Co = p.Co;
+        k.nbo = p.nbo;
+        k.in = p.in + te * p.ib;
+        k.out = p.out + te * p.ob;
+        k.vec_out = p.vec_out;
+    } else {
+        /* The last group starting at or before tile row tq: an empty group
+         * starts where its successor does, so the search passes it over. */
+        int lo = 0, hi = (int)p.groups - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (p.grp[mid].trow0 <= (int64_t)tq)
+                lo = mid;
+            else
+                hi = mid - 1;
+        }
+        const int64_t row0 = p.grp[lo].row0;
+        k.R = p.grp[lo + 1].row0 - row0;
+        k.r0 = ((int64_t)tq - p.grp[lo].trow0) * RQT;
+        k.srow = row0;
+        k.sin0 = 0;
+        k.sout0 = p.grp[lo].s0;
+        k.Co = k.R;
+        k.nbo = (k.R + p.bo - 1) >> p.bo_shift;
+        k.in = p.in + ((row0 * p.C) >> p.in_half);
+        k.out = p.out + ((row0 * p.C) >> p.out_half);
+        k.vec_out = p.vec_out && k.Co % p.vo_cols == 0 && (uintptr_t)k.out % (uintptr_t)p.vo_align == 0;
+    }
+    return k;
 }
 
-/* Offset of the scale entry of stored element (r, c) of expert e; compact
- * layouts by multiplication and shift (c / block), GEMM layouts through
- * format.h. */
-FM_DI int64_t rq_scale_off(int mode, int layout, int64_t R, int64_t C, int64_t nb, int shift, int64_t per, int64_t e,
+/* Offset of the scale entry of stored element (r, c) of the matrix whose
+ * scale array starts at entry `base`; compact layouts by multiplication and
+ * shift (c / block), GEMM layouts through format.h. */
+FM_DI int64_t rq_scale_off(int mode, int layout, int64_t R, int64_t C, int64_t nb, int shift, int64_t base,
                            int64_t r, int64_t c)
 {
     if (layout == FM_SCALE_LAYOUT_COMPACT)
-        return e * per + r * nb + (c >> shift);
-    return e * per + fm_scale_offset((fm_scale_mode)mode, (fm_scale_layout)layout, R, C, r, c);
+        return base + r * nb + (c >> shift);
+    return base + fm_scale_offset((fm_scale_mode)mode, (fm_scale_layout)layout, R, C, r, c);
 }
 
 /* The block key of a code's magnitude taken alone (see the top comment). */
@@ -186,24 +249,23 @@ struct rq_words {
 };
 
 /* The thread's 8 x 8 sub-tile of codes of tile t; zeros outside the matrix. */
-template <int TI>
+template <int TI, bool G>
 FM_DI void rq_load_codes(const rqparams &p, uint32_t t, uint32_t (&cw)[8][rq_words<TI>::n])
 {
     const int tid = threadIdx.x, w = tid >> 5, l = tid & 31;
-    int64_t e, r0, c0;
-    rq_tile(p, t, &e, &r0, &c0);
-    const int64_t rb = r0 + w * 16 + (l >> 4) * 8, cb = c0 + (l & 15) * 8;
-    const uint8_t *base = p.in + e * p.ib;
+    const rqtile tile = rq_tile<G>(p, t);
+    const int64_t rb = tile.r0 + w * 16 + (l >> 4) * 8, cb = tile.c0 + (l & 15) * 8, R = tile.R;
+    const uint8_t *base = tile.in;
 #pragma unroll
     for (int k = 0; k < 8; k++) {
         const int64_t r = rb + k;
-        const bool inside = r < p.R && cb < p.C;
+        const bool inside = r < R && cb < p.C;
         if (TI == FM_DTYPE_E2M1) {
             uint32_t v = 0;
             if (p.vec_in) {
                 if (inside)
                     v = __ldcs((const unsigned int *)(base + (r * p.C + cb) / 2));
-            } else if (r < p.R) {
+            } else if (r < R) {
 #pragma unroll
                 for (int b = 0; b < 4; b++)
                     if (cb + 2 * b < p.C)
@@ -215,7 +277,7 @@ FM_DI void rq_load_codes(const rqparams &p, uint32_t t, uint32_t (&cw)[8][rq_wor
             if (p.vec_in) {
                 if (inside)
                     v = __ldcs((const uint2 *)(base + r * p.C + cb));
-            } else if (r < p.R) {
+            } else if (r < R) {
 #pragma unroll
                 for (int b = 0; b < 8; b++)
                     if (cb + b < p.C) {
@@ -235,19 +297,20 @@ FM_DI void rq_load_codes(const rqparams &p, uint32_t t, uint32_t (&cw)[8][rq_wor
 /* The tile's input scales: entry idx = tid + 256 h covers tile row idx & 127,
  * input block idx >> 7 of the tile. Raw bits now, exponents at the store,
  * so the loads of the next tile overlap the current one. */
+template <bool G>
 FM_DI void rq_load_scales(const rqparams &p, uint32_t t, uint32_t (&raw)[2], int *ok)
 {
-    int64_t e, r0, c0;
-    rq_tile(p, t, &e, &r0, &c0);
+    const rqtile tile = rq_tile<G>(p, t);
     const int nbt = RQT >> p.bi_shift;
     *ok = 0;
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const int idx = threadIdx.x + h * RQTHREADS, row = idx & (RQT - 1), b = idx >> 7;
-        const int64_t r = r0 + row, c = c0 + ((int64_t)b << p.bi_shift);
+        const int64_t r = tile.r0 + row, c = tile.c0 + ((int64_t)b << p.bi_shift);
         raw[h] = 0;
-        if (b < nbt && r < p.R && c < p.C) {
-            const int64_t off = rq_scale_off(p.in_mode, p.in_layout, p.R, p.C, p.nbi, p.bi_shift, p.sin, e, r, c);
+        if (b < nbt && r < tile.R && c < p.C) {
+            const int64_t off =
+                rq_scale_off(p.in_mode, p.in_layout, p.R, p.C, p.nbi, p.bi_shift, tile.sin0, tile.srow + r, c);
             raw[h] = p.in_e8 ? (uint32_t)((const uint8_t *)p.in_scale)[off] : ((const uint32_t *)p.in_scale)[off];
             *ok |= 1 << h;
         }
@@ -267,9 +330,10 @@ FM_DI void rq_store_scales(const rqparams &p, int (*pin_s)[RQT], const uint32_t 
 
 /* ---- output scales -------------------------------------------------------- */
 
-FM_DI void rq_put_scale(const rqparams &p, int64_t e, int64_t ro, int64_t co, int bad, int pv)
+FM_DI void rq_put_scale(const rqparams &p, const rqtile &tile, int64_t ro, int64_t co, int bad, int pv)
 {
-    const int64_t off = rq_scale_off(p.out_mode, p.out_layout, p.Ro, p.Co, p.nbo, p.bo_shift, p.sout, e, ro, co);
+    const int64_t off =
+        rq_scale_off(p.out_mode, p.out_layout, p.Ro, tile.Co, tile.nbo, p.bo_shift, tile.sout0, ro, co);
     if (p.out_e8)
         ((uint8_t *)p.out_scale)[off] = bad ? (uint8_t)FM_E8M0_NAN : (uint8_t)(pv + 127);
     else
@@ -306,24 +370,25 @@ FM_DI void rq_tsm_put(uint8_t *tsm, int c, int u, uint2 code)
 
 /* Output stored rows c0 + c (input columns), columns r0 + ... (input rows). */
 template <int TO>
-FM_DI void rq_tsm_store(const rqparams &p, const uint8_t *tsm, int64_t e, int64_t r0, int64_t c0)
+FM_DI void rq_tsm_store(const rqparams &p, const uint8_t *tsm, const rqtile &tile)
 {
     const int tid = threadIdx.x;
-    uint8_t *dst = p.out + e * p.ob;
+    const int64_t r0 = tile.r0, c0 = tile.c0, Co = tile.Co;
+    uint8_t *dst = tile.out;
     if (TO == FM_DTYPE_E2M1) {
 #pragma unroll
         for (int pass = 0; pass < 8; pass++) {
             const int idx = tid + pass * RQTHREADS, c = idx >> 4, uu = idx & 15, f = (c >> 3) & 15;
             const uint32_t word = *(const uint32_t *)(tsm + c * 128 + 4 * (((uu ^ f) & 15) | (((uu ^ c) & 1) << 4)));
             const int64_t sr = c0 + c, sc = r0 + 8 * uu;
-            if (sr < p.Ro && sc < p.Co) {
-                if (p.vec_out) {
-                    __stcs((unsigned int *)(dst + (sr * p.Co + sc) / 2), word);
+            if (sr < p.Ro && sc < Co) {
+                if (tile.vec_out) {
+                    __stcs((unsigned int *)(dst + (sr * Co + sc) / 2), word);
                 } else {
 #pragma unroll
                     for (int b = 0; b < 4; b++)
-                        if (sc + 2 * b < p.Co)
-                            dst[(sr * p.Co + sc) / 2 + b] = (uint8_t)(word >> (8 * b));
+                        if (sc + 2 * b < Co)
+                            dst[(sr * Co + sc) / 2 + b] = (uint8_t)(word >> (8 * b));
                 }
             }
         }
@@ -341,31 +406,19 @@ FM_DI void rq_tsm_store(const rqparams &p, const uint8_t *tsm, int64_t e, int64_
                 val.w = ty;
             }
             const int64_t sr = c0 + c, sc = r0 + 16 * qq;
-            if (sr < p.Ro && sc < p.Co) {
-                if (p.vec_out) {
-                    __stcs((uint4 *)(dst + sr * p.Co + sc), val);
+            if (sr < p.Ro && sc < Co) {
+                if (tile.vec_out) {
+                    __stcs((uint4 *)(dst + sr * Co + sc), val);
                 } else {
                     const uint32_t wd[4] = {val.x, val.y, val.z, val.w};
 #pragma unroll
                     for (int b = 0; b < 16; b++)
-                        if (sc + b < p.Co)
-                            dst[sr * p.Co + sc + b] = (uint8_t)(wd[b >> 2] >> (8 * (b & 3)));
+                        if (sc + b < Co)
+                            dst[sr * Co + sc + b] = (uint8_t)(wd[b >> 2] >> (8 * (b & 3)));
                 }
             }
         }
     }
-}
-
-/* Two FP8 output codes (rows k, k + 1 of one column) at their place in the
- * column word: kernels.cuh's encoder, as fm_encode8 uses it. */
-template <int TO>
-FM_DI void rq_put2(uint2 *word, int k, float y0, float y1)
-{
-    const uint32_t two = TO == FM_DTYPE_E4M3 ? fm_hw_e4m3x2(y0, y1) : fm_hw_e5m2x2(y0, y1);
-    if (k < 4)
-        word->x |= two << (8 * k);
-    else
-        word->y |= two << (8 * (k - 4));
 }
 
 /* The multipliers 2^d of rows k, k + 1 and columns j, j + 1 (m[row][column]). */
@@ -389,42 +442,28 @@ FM_DI void rq_mults(const int (&pk)[8], const int (&pj)[8], int k, int j, float 
 }
 
 /* Transpose: the codes of the thread's 8 columns (rows k = 0..7 each) into
- * the shared tile. FAST: every d of the sub-tile is in [-126, 127]. FP8
- * outputs are packed two rows at a time as they are produced; E2M1 outputs
- * go through fm_encode8 a column at a time (its 8-wide encoder). */
+ * the shared tile, a column at a time through fm_encode8 (two rows per cvt
+ * for FP8, its 8-wide encoder for E2M1). FAST: every d of the sub-tile is in
+ * [-126, 127]. */
 template <int TI, int TO, bool FAST>
 FM_DI void rq_encode_cols(const uint32_t (&cw)[8][rq_words<TI>::n], const int (&pk)[8], const int (&pj)[8],
                           uint8_t *tsm, int u, int cv)
 {
 #pragma unroll
     for (int j = 0; j < 8; j += 2) {
-        uint2 c0 = make_uint2(0u, 0u), c1 = make_uint2(0u, 0u);
-        if (TO == FM_DTYPE_E2M1) {
-            float y0[8], y1[8];
+        float y0[8], y1[8]; /* columns j and j + 1, rows 0..7 */
 #pragma unroll
-            for (int k = 0; k < 8; k += 2) {
-                float a0, b0, a1, b1, m00, m01, m10, m11;
-                rq_decode2<TI>(cw[k], j, &a0, &b0);
-                rq_decode2<TI>(cw[k + 1], j, &a1, &b1);
-                rq_mults<FAST>(pk, pj, k, j, &m00, &m01, &m10, &m11);
-                y0[k] = __fmul_rn(a0, m00);
-                y0[k + 1] = __fmul_rn(a1, m10);
-                y1[k] = __fmul_rn(b0, m01);
-                y1[k + 1] = __fmul_rn(b1, m11);
-            }
-            c0 = fm_encode8<TO>(y0);
-            c1 = fm_encode8<TO>(y1);
-        } else {
-#pragma unroll
-            for (int k = 0; k < 8; k += 2) {
-                float a0, b0, a1, b1, m00, m01, m10, m11;
-                rq_decode2<TI>(cw[k], j, &a0, &b0);
-                rq_decode2<TI>(cw[k + 1], j, &a1, &b1);
-                rq_mults<FAST>(pk, pj, k, j, &m00, &m01, &m10, &m11);
-                rq_put2<TO>(&c0, k, __fmul_rn(a0, m00), __fmul_rn(a1, m10));
-                rq_put2<TO>(&c1, k, __fmul_rn(b0, m01), __fmul_rn(b1, m11));
-            }
+        for (int k = 0; k < 8; k += 2) {
+            float a0, b0, a1, b1, m00, m01, m10, m11;
+            rq_decode2<TI>(cw[k], j, &a0, &b0);
+            rq_decode2<TI>(cw[k + 1], j, &a1, &b1);
+            rq_mults<FAST>(pk, pj, k, j, &m00, &m01, &m10, &m11);
+            y0[k] = __fmul_rn(a0, m00);
+            y0[k + 1] = __fmul_rn(a1, m10);
+            y1[k] = __fmul_rn(b0, m01);
+            y1[k + 1] = __fmul_rn(b1, m11);
         }
+        uint2 c0 = fm_encode8<TO>(y0), c1 = fm_encode8<TO>(y1);
         if (pj[j] == RQ_BADP)
             c0.x = c0.y = fm_nan_word<TO>();
         if (pj[j + 1] == RQ_BADP)
@@ -451,7 +490,7 @@ FM_DI uint2 rq_encode_row(const uint32_t *w, float m)
 
 /* ---- the tile kernel -------------------------------------------------------- */
 
-template <int TI, int TO, int TR>
+template <int TI, int TO, int TR, bool G>
 __global__ void __launch_bounds__(RQTHREADS, 2) requant_tile_kernel(const rqparams p)
 {
     constexpr int NMAG = TI == FM_DTYPE_E2M1 ? 8 : 128;
@@ -474,8 +513,8 @@ __global__ void __launch_bounds__(RQTHREADS, 2) requant_tile_kernel(const rqpara
 
     uint32_t cw[8][NW], nw[8][NW], raw[2];
     int ok;
-    rq_load_codes<TI>(p, t, cw);
-    rq_load_scales(p, t, raw, &ok);
+    rq_load_codes<TI, G>(p, t, cw);
+    rq_load_scales<G>(p, t, raw, &ok);
     rq_store_scales(p, pin_s[0], raw, ok);
     __syncthreads();
 
@@ -484,11 +523,11 @@ __global__ void __launch_bounds__(RQTHREADS, 2) requant_tile_kernel(const rqpara
         const uint32_t tn = t + gridDim.x;
         const bool more = tn < p.ntiles && tn > t;
         if (more) {
-            rq_load_codes<TI>(p, tn, nw);
-            rq_load_scales(p, tn, raw, &ok);
+            rq_load_codes<TI, G>(p, tn, nw);
+            rq_load_scales<G>(p, tn, raw, &ok);
         }
-        int64_t e, r0, c0;
-        rq_tile(p, t, &e, &r0, &c0);
+        const rqtile tile = rq_tile<G>(p, t);
+        const int64_t r0 = tile.r0, c0 = tile.c0;
 
         int pk[8];
         {
@@ -528,8 +567,8 @@ __global__ void __launch_bounds__(RQTHREADS, 2) requant_tile_kernel(const rqpara
                     const int pv = rq_block_exp(key);
                     pout_s[g][pc] = pv;
                     const int64_t ro = c0 + c, co = r0 + ((int64_t)g << p.bo_shift);
-                    if (ro < p.Ro && co < p.Co)
-                        rq_put_scale(p, e, ro, co, pv == RQ_BADP, pv);
+                    if (ro < p.Ro && co < tile.Co)
+                        rq_put_scale(p, tile, ro, co, pv == RQ_BADP, pv);
                 }
             }
             __syncthreads();
@@ -565,11 +604,7 @@ __global__ void __launch_bounds__(RQTHREADS, 2) requant_tile_kernel(const rqpara
 
             /* 3. coalesced stores of the transposed tile (coordinates
              * recomputed: fewer registers live across the encoding) */
-            {
-                int64_t e2, r02, c02;
-                rq_tile(p, t, &e2, &r02, &c02);
-                rq_tsm_store<TO>(p, tsm, e2, r02, c02);
-            }
+            rq_tsm_store<TO>(p, tsm, rq_tile<G>(p, t));
         } else {
             /* 1. row keys: the thread's 8 columns, then the lanes of the block */
             int rk[8];
@@ -594,13 +629,13 @@ __global__ void __launch_bounds__(RQTHREADS, 2) requant_tile_kernel(const rqpara
             const int lanes = p.bo >> 3; /* lanes per output block: 4 or 16 */
             const int64_t bs = c0 + ((int64_t)(cl >> p.bo_shift) << p.bo_shift), cb = c0 + cl;
             const int64_t rb = r0 + rl;
-            uint8_t *dst = p.out + e * p.ob;
+            uint8_t *dst = tile.out;
 #pragma unroll
             for (int k = 0; k < 8; k++) {
                 const int pv = rq_block_exp(rk[k]);
                 const int64_t r = rb + k;
                 if ((cv & (lanes - 1)) == (k & (lanes - 1)) && r < p.Ro && bs < p.Co)
-                    rq_put_scale(p, e, r, bs, pv == RQ_BADP, pv);
+                    rq_put_scale(p, tile, r, bs, pv == RQ_BADP, pv);
                 uint2 code = rq_encode_row<TI, TO>(cw[k], rq_mult(pk[k], pv));
                 if (pv == RQ_BADP)
                     code.x = code.y = fm_nan_word<TO>();
@@ -650,9 +685,7 @@ __global__ void __launch_bounds__(RQTHREADS) rq_transpose_bytes_kernel(const rqp
     const int tid = threadIdx.x, w = tid >> 5, l = tid & 31, hr = l >> 4, cv = l & 15, u = w * 2 + hr;
     for (uint32_t t = blockIdx.x; t < p.ntiles; t += gridDim.x) {
         uint32_t cw[8][2];
-        rq_load_codes<FM_DTYPE_E4M3>(p, t, cw);
-        int64_t e, r0, c0;
-        rq_tile(p, t, &e, &r0, &c0);
+        rq_load_codes<FM_DTYPE_E4M3, false>(p, t, cw);
 #pragma unroll
         for (int j = 0; j < 8; j++) {
             /* byte j of rows 0..7 */
@@ -663,7 +696,7 @@ __global__ void __launch_bounds__(RQTHREADS) rq_transpose_bytes_kernel(const rqp
             rq_tsm_put<FM_DTYPE_E4M3>(tsm, cv * 8 + j, u, make_uint2(__byte_perm(p01, p23, 0x5410), __byte_perm(p45, p67, 0x5410)));
         }
         __syncthreads();
-        rq_tsm_store<FM_DTYPE_E4M3>(p, tsm, e, r0, c0);
+        rq_tsm_store<FM_DTYPE_E4M3>(p, tsm, rq_tile<false>(p, t));
         __syncthreads();
     }
 }
@@ -685,12 +718,26 @@ __global__ void __launch_bounds__(256) rq_grid128_kernel(const uint32_t *in, uin
 
 /* ---- GEMM-layout padding of the output scales ------------------------------ */
 
+/* Every matrix's scale array has `per` entries of an R x C matrix, or (grp)
+ * group g's has those of an R x M_g one from entry grp[g].s0 on. */
 __global__ void __launch_bounds__(256) rq_pad_kernel(void *scale, int mode, int e8, int64_t R, int64_t C,
-                                                     int64_t per, int64_t n)
+                                                     int64_t per, int64_t n, const rqgrp *grp, int64_t groups)
 {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        int64_t r, c;
-        if (!fm_scale_entry((fm_scale_mode)mode, FM_SCALE_LAYOUT_GEMM, R, C, i % per, &r, &c)) {
+        int64_t r, c, k = i % (per > 0 ? per : 1), cols = C;
+        if (grp) {
+            int64_t lo = 0, hi = groups - 1; /* the last group starting at or before i, as in rq_tile */
+            while (lo < hi) {
+                const int64_t mid = (lo + hi + 1) >> 1;
+                if (grp[mid].s0 <= i)
+                    lo = mid;
+                else
+                    hi = mid - 1;
+            }
+            k = i - grp[lo].s0;
+            cols = grp[lo + 1].row0 - grp[lo].row0;
+        }
+        if (!fm_scale_entry((fm_scale_mode)mode, FM_SCALE_LAYOUT_GEMM, R, cols, k, &r, &c)) {
             if (e8)
                 ((uint8_t *)scale)[i] = 127;
             else
@@ -744,24 +791,42 @@ __global__ void __launch_bounds__(256) rq_check_kernel(const rqparams p, int64_t
 
 static int rq_log2(int b) { return b == 128 ? 7 : 5; }
 
-template <int TI, int TO, int TR>
+/* The group table reaches the device through kernel parameters (3 KiB a
+ * launch), so that building it never waits for the device as a copy from
+ * pageable host memory may. */
+#define RQG_CHUNK 128
+typedef struct rqgrp_chunk {
+    rqgrp e[RQG_CHUNK];
+} rqgrp_chunk;
+
+__global__ void __launch_bounds__(RQG_CHUNK) rq_group_table_kernel(rqgrp *dst, const rqgrp_chunk c, int n)
+{
+    if ((int)threadIdx.x < n)
+        dst[threadIdx.x] = c.e[threadIdx.x];
+}
+
+template <int TI, int TO, int TR, bool G>
 static cudaError_t rq_launch3(const rqparams &p, int sms, cudaStream_t s)
 {
     int per = 0;
-    cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, requant_tile_kernel<TI, TO, TR>, RQTHREADS, 0);
+    cudaError_t err =
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, requant_tile_kernel<TI, TO, TR, G>, RQTHREADS, 0);
     if (err != cudaSuccess)
         return err;
     int64_t g = (int64_t)(per > 0 ? per : 1) * (sms > 0 ? sms : 1);
     if (g > (int64_t)p.ntiles)
         g = p.ntiles;
-    requant_tile_kernel<TI, TO, TR><<<(unsigned)g, RQTHREADS, 0, s>>>(p);
+    requant_tile_kernel<TI, TO, TR, G><<<(unsigned)g, RQTHREADS, 0, s>>>(p);
     return cudaGetLastError();
 }
 
+/* Grouped ops are transposes only. */
 template <int TI, int TO>
 static cudaError_t rq_launch2(const rqparams &p, int tr, int sms, cudaStream_t s)
 {
-    return tr ? rq_launch3<TI, TO, 1>(p, sms, s) : rq_launch3<TI, TO, 0>(p, sms, s);
+    if (p.grp)
+        return rq_launch3<TI, TO, 1, true>(p, sms, s);
+    return tr ? rq_launch3<TI, TO, 1, false>(p, sms, s) : rq_launch3<TI, TO, 0, false>(p, sms, s);
 }
 
 template <int TI>
@@ -780,18 +845,49 @@ static unsigned rq_grid(int64_t items, int64_t cap)
     return (unsigned)(g > 0 ? g : 1);
 }
 
-extern "C" fm_status fm_cuda_requantize(fm_context *ctx, const fm_requant_config *cfg, const fm_tensor *in,
-                                        fm_tensor *out)
+/* Fills the group table (groups + 1 entries) at dst from the host sizes. */
+static cudaError_t rq_group_table(const fm_splits *sp, const fm_tensor *out, int64_t N, rqgrp *dst, cudaStream_t s)
+{
+    rqgrp_chunk c;
+    rqgrp run = {0, 0, 0};
+    int n = 0;
+    int64_t base = 0;
+    for (int64_t g = 0; g <= sp->groups; g++) {
+        c.e[n++] = run;
+        if (g < sp->groups) {
+            const int64_t M = sp->host[g];
+            run.row0 += M;
+            run.trow0 += fm_cdiv(M, RQT);
+            run.s0 += fm_scale_count_2d(out->scale_mode, out->scale_layout, N, M);
+        }
+        if (n == RQG_CHUNK || g == sp->groups) {
+            rq_group_table_kernel<<<1, RQG_CHUNK, 0, s>>>(dst + base, c, n);
+            cudaError_t err = cudaGetLastError();
+            if (err != cudaSuccess)
+                return err;
+            base += n;
+            n = 0;
+        }
+    }
+    return cudaSuccess;
+}
+
+/* fm_transpose_scaled and fm_convert_scaled (sp NULL), and
+ * fm_transpose_scaled_grouped: one kernel, per-matrix geometry from rq_tile. */
+static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_splits *sp, const fm_tensor *in,
+                        fm_tensor *out)
 {
     const int tr = in->layout != out->layout;
-    const char *op = tr ? "fm_transpose_scaled" : "fm_convert_scaled";
+    const char *op = sp ? "fm_transpose_scaled_grouped" : tr ? "fm_transpose_scaled" : "fm_convert_scaled";
     fm_cuda_device_guard guard;
     fm_status st = fm_cuda_enter(ctx, &guard, op);
     if (st)
         return st;
     cudaStream_t s = fm_cuda_stream(ctx);
     const int sms = fm_cuda(ctx)->prop.multiProcessorCount;
-    const int64_t E = fm_tensor_experts(in), R = fm_tensor_stored_rows(in), C = fm_tensor_stored_cols(in);
+    /* Grouped: the whole [sum(M_i), N] input is one matrix for the input
+     * scale array and the power-of-two check. */
+    const int64_t E = sp ? 1 : fm_tensor_experts(in), R = fm_tensor_stored_rows(in), C = fm_tensor_stored_cols(in);
     const int exact128 = in->scale_mode == FM_SCALE_BLOCK_128x128;
 
     rqparams p;
@@ -822,8 +918,19 @@ extern "C" fm_status fm_cuda_requantize(fm_context *ctx, const fm_requant_config
     p.sout = fm_scale_count_2d(out->scale_mode, out->scale_layout, p.Ro, p.Co);
     p.ib = in->dtype == FM_DTYPE_E2M1 ? R * C / 2 : R * C;
     p.ob = out->dtype == FM_DTYPE_E2M1 ? R * C / 2 : R * C;
-    const int64_t ntr = fm_cdiv(R, RQT), ntc = fm_cdiv(C, RQT);
-    const int64_t ntiles = E * R * C > 0 ? E * ntr * ntc : 0;
+    p.in_half = in->dtype == FM_DTYPE_E2M1;
+    p.out_half = out->dtype == FM_DTYPE_E2M1;
+    p.groups = sp ? sp->groups : 0;
+    int64_t ntr = fm_cdiv(R, RQT), ntiles_rows = E * ntr, nscales_out = E * p.sout;
+    if (sp) { /* the same totals as the table's sentinel, from the host sizes */
+        ntiles_rows = nscales_out = 0;
+        for (int64_t g = 0; g < sp->groups; g++) {
+            ntiles_rows += fm_cdiv(sp->host[g], RQT);
+            nscales_out += fm_scale_count_2d(out->scale_mode, out->scale_layout, C, sp->host[g]);
+        }
+    }
+    const int64_t ntc = fm_cdiv(C, RQT);
+    const int64_t ntiles = R * C > 0 ? ntiles_rows * ntc : 0;
     if (ntiles >= ((int64_t)1 << 31)) {
         fm_cuda_leave(ctx, &guard, cudaSuccess, NULL);
         return fm_error(ctx, FM_ERR_UNSUPPORTED, "%s: %lld tiles of 128 x 128 exceed the kernel's 31-bit tile index",
@@ -839,7 +946,13 @@ extern "C" fm_status fm_cuda_requantize(fm_context *ctx, const fm_requant_config
         p.vec_in = C % 8 == 0 && ia % 4 == 0;
     else
         p.vec_in = C % 8 == 0 && ia % 8 == 0;
-    if (out->dtype == FM_DTYPE_E2M1)
+    /* Grouped: what the whole buffer allows; each group's tiles also need
+     * their own row length and start aligned (rq_tile). */
+    p.vo_align = out->dtype == FM_DTYPE_E2M1 ? 4 : 16;
+    p.vo_cols = out->dtype == FM_DTYPE_E2M1 ? 8 : 16;
+    if (sp)
+        p.vec_out = oa % (uintptr_t)p.vo_align == 0;
+    else if (out->dtype == FM_DTYPE_E2M1)
         p.vec_out = p.Co % 8 == 0 && oa % 4 == 0;
     else if (tr || exact128)
         p.vec_out = p.Co % 16 == 0 && oa % 16 == 0;
@@ -850,15 +963,20 @@ extern "C" fm_status fm_cuda_requantize(fm_context *ctx, const fm_requant_config
     const char *what = op;
     void *buf = NULL;
     int owned = 0;
-
-    /* Every input F32 scale is checked before anything is written. */
+    /* Scratch: the check's result, then the group table. */
+    const size_t check_bytes = 64, table_bytes = sp ? (size_t)(sp->groups + 1) * sizeof(rqgrp) : 0;
     const int64_t nblocks = E * R * p.nbi;
-    if (!exact128 && !p.in_e8 && nblocks > 0) {
-        st = fm_cuda_scratch(ctx, sizeof(rqcheck), &buf, &owned, op);
+    const int check = !exact128 && !p.in_e8 && nblocks > 0;
+    if (check || sp) {
+        st = fm_cuda_scratch(ctx, check_bytes + table_bytes, &buf, &owned, op);
         if (st) {
             fm_cuda_leave(ctx, &guard, cudaSuccess, NULL);
             return st;
         }
+    }
+
+    /* Every input F32 scale is checked before anything is written. */
+    if (check) {
         rqcheck h;
         what = "cudaMemsetAsync(check)";
         if ((err = cudaMemsetAsync(buf, 0, sizeof(rqcheck), s)) != cudaSuccess)
@@ -873,19 +991,26 @@ extern "C" fm_status fm_cuda_requantize(fm_context *ctx, const fm_requant_config
         what = "power-of-two scale check: cudaStreamSynchronize";
         if ((err = cudaStreamSynchronize(s)) != cudaSuccess)
             goto out;
-        if (owned) {
-            owned = 0;
-            if ((err = cudaFreeAsync(buf, s)) != cudaSuccess)
-                goto out;
-        }
         if (h.first_inv) {
+            if (owned && (err = cudaFreeAsync(buf, s)) != cudaSuccess) {
+                owned = 0;
+                goto out;
+            }
             fm_cuda_leave(ctx, &guard, cudaSuccess, NULL);
             const long long i = (long long)~h.first_inv, per = (long long)(R * p.nbi);
+            long long e = i / per, r = (i % per) / (long long)p.nbi;
+            /* Grouped: name the group and its row, as the CPU does. */
+            for (int64_t g = 0; sp && g < sp->groups; g++) {
+                if (r < sp->host[g]) {
+                    e = g;
+                    break;
+                }
+                r -= sp->host[g];
+            }
             return fm_error(ctx, FM_ERR_INVALID_ARG,
                             "in->scale: the scale of block (expert %lld, stored row %lld, block %lld) is %g, "
                             "not a positive power of two; scaling-aware ops need POW2 scales",
-                            i / per, (i % per) / (long long)p.nbi, i % (long long)p.nbi,
-                            (double)fm_bits_f32(h.bits));
+                            e, r, i % (long long)p.nbi, (double)fm_bits_f32(h.bits));
         }
     }
 
@@ -911,10 +1036,18 @@ extern "C" fm_status fm_cuda_requantize(fm_context *ctx, const fm_requant_config
         goto out;
     }
 
-    if (out->scale_layout == FM_SCALE_LAYOUT_GEMM && E * p.sout > 0) {
+    if (sp) {
+        rqgrp *table = (rqgrp *)((char *)buf + check_bytes);
+        what = "group table: kernel launch";
+        if ((err = rq_group_table(sp, out, C, table, s)) != cudaSuccess)
+            goto out;
+        p.grp = table;
+    }
+
+    if (out->scale_layout == FM_SCALE_LAYOUT_GEMM && nscales_out > 0) {
         what = "GEMM-layout scale padding: kernel launch";
-        rq_pad_kernel<<<rq_grid(fm_cdiv(E * p.sout, 256), 4096), 256, 0, s>>>(out->scale, out->scale_mode, p.out_e8,
-                                                                             p.Ro, p.Co, p.sout, E * p.sout);
+        rq_pad_kernel<<<rq_grid(fm_cdiv(nscales_out, 256), 4096), 256, 0, s>>>(
+            out->scale, out->scale_mode, p.out_e8, p.Ro, p.Co, p.sout, nscales_out, p.grp, p.groups);
         if ((err = cudaGetLastError()) != cudaSuccess)
             goto out;
     }
@@ -939,4 +1072,16 @@ out:
     char msg[128];
     snprintf(msg, sizeof msg, "%s: %s", op, what);
     return fm_cuda_leave(ctx, &guard, err, msg);
+}
+
+extern "C" fm_status fm_cuda_requantize(fm_context *ctx, const fm_requant_config *cfg, const fm_tensor *in,
+                                        fm_tensor *out)
+{
+    return rq_run(ctx, cfg, NULL, in, out);
+}
+
+extern "C" fm_status fm_cuda_requantize_grouped(fm_context *ctx, const fm_requant_config *cfg, const fm_splits *splits,
+                                                const fm_tensor *in, fm_tensor *out)
+{
+    return rq_run(ctx, cfg, splits, in, out);
 }

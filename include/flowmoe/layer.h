@@ -92,8 +92,11 @@ fm_status fm_moe_layer_refresh_weights(fm_moe_layer *layer, const fm_moe_weights
 fm_status fm_moe_layer_forward(fm_moe_layer *layer, const fm_moe_weights *w, const fm_tensor *x, fm_tensor *y);
 
 /* dy [T, H] F32 (same T as the last forward) -> dx [T, H] F32 (router path
- * included); accumulates into w->grad_*. */
-fm_status fm_moe_layer_backward(fm_moe_layer *layer, const fm_moe_weights *w, const fm_tensor *dy, fm_tensor *dx);
+ * included); accumulates into w->grad_*. x is the last forward's input: the
+ * router's weight gradient needs it, and the caller holds it anyway (the
+ * residual stream), so the layer does not keep a copy. */
+fm_status fm_moe_layer_backward(fm_moe_layer *layer, const fm_moe_weights *w, const fm_tensor *x,
+                                const fm_tensor *dy, fm_tensor *dx);
 
 #ifdef __cplusplus
 }

@@ -109,9 +109,13 @@ fm_status fm_moe_unpermute_backward(fm_context *ctx, const fm_tensor *dout, cons
  * row-wise (decoded exactly first: fp8-flow saves its activations in FP8).
  * out_row [M, I] and the optional out_col (column-wise) are quantized exactly
  * as fm_quantize(cfg, h) would quantize the F32 h, or out_row is BF16/F32
- * unscaled (then out_col must be NULL). */
+ * unscaled (then out_col must be NULL).
+ * in_saved (optional, [M, 2I] row-wise quantized, e.g. E4M3 BLOCK_1x128 or
+ * E2M1 MX32): `in` quantized as fm_quantize(cfg, in) would, written in the
+ * same pass — the copy a recipe saves for fm_moe_swiglu_backward without an
+ * extra read of `in` (in must then be BF16/F32). */
 fm_status fm_moe_swiglu(fm_context *ctx, const fm_quant_config *cfg, const fm_tensor *in, const fm_tensor *probs,
-                        fm_tensor *out_row, fm_tensor *out_col);
+                        fm_tensor *out_row, fm_tensor *out_col, fm_tensor *in_saved);
 
 /* dSwiGLU + quantize: dh [M, I] (BF16/F32, or quantized row-wise) and the
  * forward's in [M, 2I] (BF16/F32 or quantized row-wise, e.g. the saved FP8 or

@@ -60,8 +60,12 @@ fm_status fm_convert_scaled(fm_context *ctx, const fm_requant_config *cfg, const
  * scales at the sum of the earlier experts' scale counts). Column blocks
  * (128x1 or 32x1) therefore never straddle two experts, M_i need not be a
  * multiple of the block, and an empty expert takes no space. Each expert's
- * result equals fm_transpose_scaled on its slice alone. Needs splits->host
- * (the CUDA kernel also reads splits->device when given). */
+ * result equals fm_transpose_scaled on its slice alone, nonfinite_blocks
+ * counts over all groups, and F32 input scales are checked as there. With
+ * an E2M1 `out` every M_i must be even (a group's stored rows are whole
+ * bytes); BLOCK_128x128 has no grouped form. Needs splits->host, which also
+ * sizes the CUDA launch; splits->device is not read (the CUDA backend hands
+ * the per-group offsets to its kernel without waiting for the device). */
 fm_status fm_transpose_scaled_grouped(fm_context *ctx, const fm_requant_config *cfg, const fm_splits *splits,
                                       const fm_tensor *in, fm_tensor *out);
 

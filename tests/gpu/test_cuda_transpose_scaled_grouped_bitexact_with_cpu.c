@@ -1,0 +1,188 @@
+/* CUDA fm_transpose_scaled_grouped writes the CPU reference's bytes (codes,
+ * the grouped scale arrays, GEMM-layout padding, nonfinite count) for every
+ * input / output format pair, ragged splits with empty groups and groups of
+ * 1, 127, 128 and 129 rows, all rows in one group, and NaN blocks; nothing
+ * past the grouped layout is written; non-power-of-two scales are refused
+ * alike. fm-xval runs a wider matrix; this is the short form. */
+#include <math.h>
+#include <stdint.h>
+
+#include "gpu_test.h"
+
+static uint64_t rng = 777;
+static uint64_t rnd(void)
+{
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return rng;
+}
+
+typedef struct {
+    fm_dtype dt;
+    fm_scale_mode m;
+} fmt;
+
+static const fmt fmts[] = {{FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128}, {FM_DTYPE_E5M2, FM_SCALE_BLOCK_1x128},
+                           {FM_DTYPE_E4M3, FM_SCALE_MX32},        {FM_DTYPE_E5M2, FM_SCALE_MX32},
+                           {FM_DTYPE_E2M1, FM_SCALE_MX32}};
+#define NF (int)(sizeof fmts / sizeof fmts[0])
+
+/* Copies device bytes [0, n + guard) and compares the first n with the host's, the guard with 0xA5. */
+static void same_dev(const void *h, const void *d, size_t n, size_t guard, const char *what, const char *cs)
+{
+    unsigned char *g = malloc(n + guard + 1);
+    GT_CUDA(cudaMemcpy(g, d, n + guard, cudaMemcpyDeviceToHost));
+    size_t bad = 0, first = n;
+    for (size_t i = 0; i < n; i++)
+        if (((const unsigned char *)h)[i] != g[i])
+            first = bad++ ? first : i;
+    size_t over = 0;
+    for (size_t i = n; i < n + guard; i++)
+        over += g[i] != 0xA5;
+    free(g);
+    GT_CHECK(bad == 0, "%s: %s: %zu of %zu bytes differ, first at %zu", cs, what, bad, n, first);
+    GT_CHECK(over == 0, "%s: %s: %zu bytes written past the grouped layout", cs, what, over);
+}
+
+static void *dev_copy(const void *h, size_t n, size_t guard)
+{
+    void *d;
+    GT_CUDA(cudaMalloc(&d, n + guard + 1));
+    GT_CUDA(cudaMemset(d, 0xA5, n + guard + 1));
+    if (n && h)
+        GT_CUDA(cudaMemcpy(d, h, n, cudaMemcpyHostToDevice));
+    return d;
+}
+
+static void run_case(fm_context *cpu, fm_context *gpu, const int64_t *sizes, int64_t G, int64_t N, fmt fi, fmt fo,
+                     fm_requant_rule rule, fm_scale_layout sli, fm_scale_layout slo, int nan_blocks, int bad_scale)
+{
+    int64_t rows = 0;
+    for (int64_t g = 0; g < G; g++)
+        rows += sizes[g];
+    char cs[200];
+    snprintf(cs, sizeof cs, "%s %s -> %s %s rule %d %s/%s N %lld groups %lld rows %lld%s%s", fm_dtype_name(fi.dt),
+             fm_scale_mode_name(fi.m), fm_dtype_name(fo.dt), fm_scale_mode_name(fo.m), (int)rule,
+             fm_scale_layout_name(sli), fm_scale_layout_name(slo), (long long)N, (long long)G, (long long)rows,
+             nan_blocks ? " NaN" : "", bad_scale ? " non-pow2 scale" : "");
+    size_t n = (size_t)(rows * N);
+    float *x = malloc(sizeof(float) * (n ? n : 1));
+    for (size_t i = 0; i < n; i++) {
+        x[i] = (float)ldexp((double)(int64_t)(rnd() % 2001 - 1000) / 1000.0, (int)(rnd() % 40) - 20);
+        if (rnd() % 9 == 0)
+            x[i] = 0.0f;
+    }
+    if (nan_blocks && n > 3) {
+        x[rnd() % n] = NAN;
+        x[rnd() % n] = -INFINITY;
+    }
+    fm_tensor in = fm_tensor_quant_2d(NULL, fi.dt, rows, N, FM_LAYOUT_ROWWISE, fi.m, NULL, sli);
+    size_t nid = (size_t)fm_tensor_nbytes(&in), nis = (size_t)fm_tensor_scale_nbytes(&in);
+    void *hid = malloc(nid + 1), *his = malloc(nis + 1);
+    in.data = hid;
+    in.scale = his;
+    fm_tensor xt = fm_tensor_2d(x, FM_DTYPE_F32, rows, N);
+    GT_CHECK(fm_quantize(cpu, NULL, &xt, &in, NULL) == FM_OK, "%s: quantize: %s", cs, fm_last_error(cpu));
+    if (bad_scale && fi.m == FM_SCALE_BLOCK_1x128 && nis >= 4)
+        ((float *)his)[rnd() % (nis / 4)] = 0.75f;
+
+    fm_splits sp = {.groups = G, .host = sizes};
+    fm_tensor out = fm_tensor_quant_2d(NULL, fo.dt, rows, N, FM_LAYOUT_COLWISE, fo.m, NULL, slo);
+    size_t nod = (size_t)fm_tensor_nbytes(&out);
+    size_t nos = (size_t)fm_tensor_grouped_scale_count(&out, &sp) * (fo.m == FM_SCALE_MX32 ? 1 : 4);
+    void *hod = malloc(nod + 1), *hos = malloc(nos + 1);
+    memset(hod, 0xA5, nod + 1);
+    memset(hos, 0xA5, nos + 1);
+    int64_t hbad = -1;
+    fm_tensor oh = out;
+    oh.data = hod;
+    oh.scale = hos;
+    fm_requant_config ch = {.rule = rule, .nonfinite_blocks = &hbad};
+    fm_status stc = fm_transpose_scaled_grouped(cpu, &ch, &sp, &in, &oh);
+    char cmsg[768];
+    snprintf(cmsg, sizeof cmsg, "%s", fm_last_error(cpu));
+
+    const size_t guard = 64;
+    fm_tensor ind = in, od = out;
+    ind.device = od.device = FM_DEVICE_CUDA;
+    ind.data = dev_copy(hid, nid, 0);
+    ind.scale = dev_copy(his, nis, 0);
+    od.data = dev_copy(NULL, nod, guard);
+    od.scale = dev_copy(NULL, nos, guard);
+    int64_t *dbad = dev_copy(NULL, 8, 0);
+    fm_requant_config cd = {.rule = rule, .nonfinite_blocks = dbad};
+    fm_status stg = fm_transpose_scaled_grouped(gpu, &cd, &sp, &ind, &od);
+    GT_CHECK(fm_context_synchronize(gpu) == FM_OK, "%s: synchronize: %s", cs, fm_last_error(gpu));
+    GT_CHECK(stc == stg, "%s: cpu %s (%s), gpu %s (%s)", cs, fm_status_name(stc), cmsg, fm_status_name(stg),
+             fm_last_error(gpu));
+    if (stc == FM_OK && stg == FM_OK) {
+        same_dev(hod, od.data, nod, guard, "codes", cs);
+        same_dev(hos, od.scale, nos, guard, "scales", cs);
+        same_dev(&hbad, dbad, 8, 0, "nonfinite_blocks", cs);
+    } else if (stc == FM_ERR_INVALID_ARG) {
+        /* refused alike, with the same sentence, nothing written */
+        GT_CHECK(!strcmp(cmsg, fm_last_error(gpu)), "%s: cpu says '%s', gpu '%s'", cs, cmsg, fm_last_error(gpu));
+        same_dev(hod, od.data, nod, guard, "codes of a refused call", cs);
+        same_dev(hos, od.scale, nos, guard, "scales of a refused call", cs);
+    }
+    cudaFree(ind.data);
+    cudaFree(ind.scale);
+    cudaFree(od.data);
+    cudaFree(od.scale);
+    cudaFree(dbad);
+    free(hid);
+    free(his);
+    free(hod);
+    free(hos);
+    free(x);
+}
+
+int main(void)
+{
+    const char *name = "test_cuda_transpose_scaled_grouped_bitexact_with_cpu";
+    fm_context *gpu = gt_cuda_context(name);
+    fm_context *cpu = gt_cpu_context();
+    static const int64_t s_edge[] = {0, 1, 127, 128, 129, 0, 300}, s_edge2[] = {0, 2, 126, 128, 130, 0, 300};
+    static const int64_t s_one[] = {0, 0, 515, 0}, s_one2[] = {0, 0, 516, 0};
+    int64_t s_rand[8];
+    static const int64_t Ns[] = {7168 / 28, 200, 130, 64};
+    int c = 0;
+    for (int a = 0; a < NF; a++)
+        for (int b = 0; b < NF; b++)
+            for (int v = 0; v < 3; v++, c++) {
+                const int e2m1_out = fmts[b].dt == FM_DTYPE_E2M1;
+                const int64_t *sz;
+                int64_t G;
+                if (v == 0) {
+                    sz = e2m1_out ? s_edge2 : s_edge;
+                    G = 7;
+                } else if (v == 1) {
+                    sz = e2m1_out ? s_one2 : s_one;
+                    G = 4;
+                } else {
+                    for (int g = 0; g < 8; g++) {
+                        s_rand[g] = rnd() % 4 == 0 ? 0 : (int64_t)(rnd() % 400);
+                        if (e2m1_out)
+                            s_rand[g] &= ~(int64_t)1;
+                    }
+                    sz = s_rand;
+                    G = 8;
+                }
+                fm_requant_rule rule = FM_REQUANT_TIGHT;
+                if (c % 3 == 1 && fmts[a].dt == fmts[b].dt && fmts[a].m == fmts[b].m)
+                    rule = FM_REQUANT_ROWMAX;
+                else if (c % 3 == 2 && fmts[b].m == FM_SCALE_MX32)
+                    rule = FM_REQUANT_MX_FLOOR;
+                run_case(cpu, gpu, sz, G, Ns[c % 4], fmts[a], fmts[b], rule, (fm_scale_layout)(c & 1),
+                         (fm_scale_layout)((c >> 1) & 1), c % 5 == 0, 0);
+            }
+    /* Refusals: non-power-of-two F32 input scales. */
+    static const int64_t s_bad[] = {100, 0, 156};
+    for (int k = 0; k < 2; k++)
+        run_case(cpu, gpu, s_bad, 3, 256, fmts[k], fmts[k], FM_REQUANT_TIGHT, (fm_scale_layout)k,
+                 FM_SCALE_LAYOUT_COMPACT, 0, 1);
+    fm_context_destroy(cpu);
+    fm_context_destroy(gpu);
+    return gt_finish(name);
+}
