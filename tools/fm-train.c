@@ -5,6 +5,9 @@
  * regression onto a fixed random TEACHER of the same architecture, computed on
  * the host in double without the library (train_host.c), so the targets do
  * not depend on the code under test and the loss has a known floor (zero).
+ * The teacher's router and W1 read x through a random rank-4 projection
+ * (--teacher-rank): a full-rank random MoE needs far more samples than a
+ * one-minute run sees, and the students would learn only its linear part.
  * Every recipe's student starts from the same weights and sees the same
  * batches; the loss curves differ only by the recipe's arithmetic.
  *
@@ -49,8 +52,8 @@ static const options defaults = {
     .steps = 200,
     .layers = 2,
     .hidden = 128,
-    .ffn = 128,
-    .experts = 8,
+    .ffn = 64,
+    .experts = 4,
     .topk = 2,
     .tokens = 256,
     .rank = 4,
