@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# The README's first command: build flowmoe and run its main tool.
+# The README's first command: build flowmoe and run its main job, fm-train:
+# a small MoE model trained with every recipe side by side (bf16,
+# fp8-blockwise, fp8-flow, fp8-flow-fp4), about a minute on 2 CPU cores.
 #
-#   tools/demo.sh [fm-formats arguments...]     e.g. tools/demo.sh --in acts.npy
+#   tools/demo.sh [fm-train arguments...]     e.g. tools/demo.sh --steps 500 --recipes bf16,fp8-flow
 #
 # Needs python3 and a C compiler. Installs meson and ninja when they are
 # missing or too old, into .tools/ of this checkout (never system-wide, except
 # python3-venv through apt-get when run as root on a bare Debian/Ubuntu).
 # Configures build/ (the CUDA backend too when nvcc is found), builds, and runs
-# fm-formats with the arguments given. Safe to run again: every step that is
-# already done is skipped.
+# fm-train with the arguments given (--backend cuda for the GPU; the loss
+# curves land in out/fm-train/ unless --out says otherwise). Safe to run again:
+# every step that is already done is skipped.
 #
 # Environment: FM_BUILD_DIR (default build), FM_JOBS (default: all cores).
 set -euo pipefail
@@ -152,8 +155,8 @@ say "using meson $(meson --version) and ninja $(ninja --version)"
 find_cuda
 configure
 say "building in $build/ ($jobs jobs)"
-ninja -C "$build" -j "$jobs" tools/fm-formats
-exe=$build/tools/fm-formats
+ninja -C "$build" -j "$jobs" tools/fm-train
+exe=$build/tools/fm-train
 [ -x "$exe" ] || die "the build did not produce $exe"
 say "running $exe${*:+ $*}"
 exec "$exe" "$@"

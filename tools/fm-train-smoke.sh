@@ -1,0 +1,51 @@
+#!/bin/sh
+# fm_train_smoke: fm-train runs a few steps of every recipe on a tiny model and
+# exits 0; loss.csv has its header and one finite, positive row per step, and
+# every recipe's loss went down; loss.svg holds a curve per recipe; a bad flag
+# gives exit status 2.
+#
+#   fm-train-smoke.sh FM_TRAIN OUT_DIR
+set -u
+exe=$1
+out=$2
+steps=6
+fail() {
+    echo "fm_train_smoke: $*" >&2
+    exit 1
+}
+
+rm -rf "$out"
+"$exe" --steps $steps --layers 2 --hidden 128 --ffn 64 --experts 4 --topk 2 --tokens 64 --threads 1 \
+    --out "$out" || fail "fm-train exited with status $?"
+csv=$out/loss.csv
+[ -f "$csv" ] || fail "no $csv"
+lines=$(wc -l <"$csv")
+[ "$lines" -eq $((steps + 1)) ] || fail "$csv has $lines lines, want $((steps + 1)) (a header and one per step)"
+header=$(head -n 1 "$csv")
+[ "$header" = "step,bf16,fp8-blockwise,fp8-flow,fp8-flow-fp4" ] || fail "$csv header is '$header'"
+awk -F, -v steps=$steps '
+    NR == 1 { next }
+    $1 != NR - 1 { print "row " NR ": step " $1 ", want " NR - 1; bad = 1 }
+    NF != 5 { print "row " NR ": " NF " fields"; bad = 1 }
+    {
+        for (i = 2; i <= NF; i++) {
+            if ($i !~ /^[0-9.eE+-]+$/ || !($i + 0 > 0)) { print "row " NR ": loss \"" $i "\" is not finite and positive"; bad = 1 }
+            if (NR == 2) first[i] = $i + 0
+            if (NR == steps + 1 && !($i + 0 < first[i])) { print "column " i ": the loss did not go down (" first[i] " -> " $i ")"; bad = 1 }
+        }
+    }
+    END { exit bad }' "$csv" || fail "$csv is wrong (above)"
+svg=$out/loss.svg
+[ -f "$svg" ] || fail "no $svg"
+curves=$(grep -c '<polyline' "$svg")
+[ "$curves" -eq 4 ] || fail "$svg has $curves curves, want 4"
+tail -n 1 "$svg" | grep -q '^</svg>$' || fail "$svg does not end with </svg>"
+
+"$exe" --experts 4 --topk 5 --out "$out/never" >/dev/null 2>&1
+rc=$?
+[ $rc -eq 2 ] || fail "--topk > --experts gave exit status $rc, want 2"
+"$exe" --recipes bf16,fp9 --out "$out/never" >/dev/null 2>&1
+rc=$?
+[ $rc -eq 2 ] || fail "an unknown recipe gave exit status $rc, want 2"
+[ ! -e "$out/never" ] || fail "a rejected run wrote $out/never"
+echo "fm_train_smoke: ok"

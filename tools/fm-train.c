@@ -1,0 +1,765 @@
+/* fm-train: trains a small MoE model with each flowmoe recipe side by side.
+ *
+ * The model is embedding-free: L blocks x = x + MoE(RMSNorm(x)), the MoE
+ * being flowmoe's layer (fm_moe_layer) in the recipe under test. The task is
+ * regression onto a fixed random TEACHER of the same architecture, computed on
+ * the host in double without the library (train_host.c), so the targets do
+ * not depend on the code under test and the loss has a known floor (zero).
+ * The teacher's router and W1 read x through a random rank-4 projection
+ * (--teacher-rank): a full-rank random MoE needs far more samples than a
+ * one-minute run sees, and the students would learn only its linear part.
+ * Every recipe's student starts from the same weights and sees the same
+ * batches; the loss curves differ only by the recipe's arithmetic.
+ *
+ * The host keeps F32 masters, AdamW and RMSNorm; the layers' weights and
+ * gradients live in the context's memory (device memory on CUDA), copied in
+ * before each refresh and back after each backward. Activations cross the
+ * same way around each layer call: slow on a GPU, but the layer is what is
+ * measured, and it keeps the trainer backend-agnostic. */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+#include "flowmoe/flowmoe.h"
+#include "svg.h"
+#include "train_host.h"
+
+static const char *prog = "fm-train";
+
+#define MAX_DIM 65536
+#define LAST_STEPS 10 /* the final loss is the mean over these */
+
+/* ---- options ------------------------------------------------------------- */
+
+typedef struct {
+    fm_backend_kind backend;
+    fm_recipe recipes[FM_RECIPE_COUNT];
+    int nrecipes;
+    int64_t steps, layers, hidden, ffn, experts, topk, tokens, threads, print_every, rank;
+    uint64_t seed;
+    double lr, wd;
+    const char *out;
+} options;
+
+static const options defaults = {
+    .backend = FM_BACKEND_CPU,
+    .recipes = {FM_RECIPE_BF16, FM_RECIPE_FP8_BLOCKWISE, FM_RECIPE_FP8_FLOW, FM_RECIPE_FP8_FLOW_FP4},
+    .nrecipes = FM_RECIPE_COUNT,
+    .steps = 200,
+    .layers = 2,
+    .hidden = 128,
+    .ffn = 64,
+    .experts = 4,
+    .topk = 2,
+    .tokens = 256,
+    .rank = 4,
+    .seed = 1,
+    .lr = 1e-2,
+    .wd = 0.01,
+    .out = "out/fm-train",
+};
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: %s [--backend cpu|cuda] [--recipes LIST] [--steps N] [--seed S] [--layers L]\n"
+            "          [--hidden H] [--ffn I] [--experts E] [--topk K] [--tokens T] [--lr LR] [--wd WD]\n"
+            "          [--teacher-rank R] [--threads N] [--print-every N] [--out DIR] [--help]\n"
+            "\n"
+            "Trains a small MoE model (L blocks x = x + MoE(RMSNorm(x)), AdamW, MSE) to imitate a fixed\n"
+            "random teacher of the same shape, once per flowmoe recipe, from the same initial weights\n"
+            "and on the same batches, and compares the recipes' loss, casts, saved activations and speed.\n"
+            "\n"
+            "  --backend B       cpu (default) or cuda\n"
+            "  --recipes LIST    comma-separated, of bf16, fp8-blockwise, fp8-flow, fp8-flow-fp4 (default: all)\n"
+            "  --steps N         optimizer steps, a fresh batch each (default %lld)\n"
+            "  --seed S          seed of the teacher, the initial weights and the data (default %llu)\n"
+            "  --layers L        MoE blocks (default %lld)\n"
+            "  --hidden H        hidden size (default %lld)\n"
+            "  --ffn I           each expert's FFN size (default %lld)\n"
+            "  --experts E       experts per layer (default %lld)\n"
+            "  --topk K          experts per token, 1..E (default %lld)\n"
+            "  --tokens T        tokens per batch (default %lld)\n"
+            "  --lr LR           AdamW learning rate (default %g; betas 0.9, 0.95)\n"
+            "  --wd WD           AdamW decoupled weight decay of the MoE weights (default %g)\n"
+            "  --teacher-rank R  the teacher's router and W1 read x through a random rank-R projection,\n"
+            "                    so that a short run learns a good part of it; 0 = full rank (default %lld)\n"
+            "  --threads N       CPU backend threads, 0 = all cores (default 0)\n"
+            "  --print-every N   a progress line every N steps (default: about 50 lines per run)\n"
+            "  --out DIR         where loss.csv and loss.svg go (default %s)\n"
+            "  --help            this text\n",
+            prog, (long long)defaults.steps, (unsigned long long)defaults.seed, (long long)defaults.layers,
+            (long long)defaults.hidden, (long long)defaults.ffn, (long long)defaults.experts,
+            (long long)defaults.topk, (long long)defaults.tokens, defaults.lr, defaults.wd, (long long)defaults.rank,
+            defaults.out);
+}
+
+static int usage_error(const char *fmt, const char *arg)
+{
+    fprintf(stderr, "%s: ", prog);
+    fprintf(stderr, fmt, arg);
+    fprintf(stderr, "\n\n");
+    usage(stderr);
+    return 2;
+}
+
+static int parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *v)
+{
+    char *end;
+    if (!s || *s < '0' || *s > '9')
+        return -1;
+    errno = 0;
+    unsigned long long x = strtoull(s, &end, 10);
+    if (errno || *end || x < (unsigned long long)lo || x > (unsigned long long)hi)
+        return -1;
+    *v = (int64_t)x;
+    return 0;
+}
+
+static int parse_f64(const char *s, double lo, double hi, double *v)
+{
+    char *end;
+    if (!s || !*s)
+        return -1;
+    errno = 0;
+    double x = strtod(s, &end);
+    if (errno || *end || !isfinite(x) || x < lo || x > hi)
+        return -1;
+    *v = x;
+    return 0;
+}
+
+static int parse_recipes(const char *s, options *o)
+{
+    o->nrecipes = 0;
+    char buf[256];
+    if (strlen(s) >= sizeof buf)
+        return -1;
+    strcpy(buf, s);
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
+        fm_recipe r;
+        if (!fm_recipe_parse(tok, &r))
+            return -1;
+        for (int i = 0; i < o->nrecipes; i++)
+            if (o->recipes[i] == r)
+                return -1;
+        o->recipes[o->nrecipes++] = r;
+    }
+    return o->nrecipes > 0 ? 0 : -1;
+}
+
+/* Returns -1 to go on, else the exit status. */
+static int parse_args(int argc, char **argv, options *o)
+{
+    *o = defaults;
+    int print_every_set = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            usage(stdout);
+            return 0;
+        }
+        static const char *const with_value[] = {"--backend", "--recipes", "--steps", "--seed", "--layers",
+                                                 "--hidden", "--ffn", "--experts", "--topk", "--tokens",
+                                                 "--lr", "--wd", "--threads", "--print-every", "--teacher-rank", "--out"};
+        const char *name = NULL, *val = NULL;
+        for (size_t k = 0; k < sizeof with_value / sizeof with_value[0]; k++) {
+            size_t n = strlen(with_value[k]);
+            if (!strncmp(a, with_value[k], n) && (a[n] == '\0' || a[n] == '=')) {
+                name = with_value[k];
+                if (a[n] == '=')
+                    val = a + n + 1;
+                else if (i + 1 < argc)
+                    val = argv[++i];
+                else
+                    return usage_error("%s needs a value", name);
+                break;
+            }
+        }
+        if (!name)
+            return usage_error("unknown argument '%s'", a);
+        int64_t v;
+        if (!strcmp(name, "--backend")) {
+            if (!strcmp(val, "cpu"))
+                o->backend = FM_BACKEND_CPU;
+            else if (!strcmp(val, "cuda"))
+                o->backend = FM_BACKEND_CUDA;
+            else
+                return usage_error("--backend must be cpu or cuda, got '%s'", val);
+        } else if (!strcmp(name, "--recipes")) {
+            if (parse_recipes(val, o))
+                return usage_error("--recipes must be distinct names among bf16, fp8-blockwise, fp8-flow, "
+                                   "fp8-flow-fp4, separated by commas; got '%s'", val);
+        } else if (!strcmp(name, "--seed")) {
+            if (parse_i64(val, 0, INT64_MAX, &v))
+                return usage_error("--seed must be a non-negative integer, got '%s'", val);
+            o->seed = (uint64_t)v;
+        } else if (!strcmp(name, "--lr")) {
+            if (parse_f64(val, 1e-12, 10, &o->lr))
+                return usage_error("--lr must be a number in [1e-12, 10], got '%s'", val);
+        } else if (!strcmp(name, "--wd")) {
+            if (parse_f64(val, 0, 10, &o->wd))
+                return usage_error("--wd must be a number in [0, 10], got '%s'", val);
+        } else if (!strcmp(name, "--out")) {
+            if (!*val)
+                return usage_error("%s", "--out must name a directory");
+            o->out = val;
+        } else {
+            static const struct {
+                const char *name;
+                int64_t lo, hi;
+                const char *rule;
+            } ints[] = {
+                {"--steps", 1, 10000000, "--steps must be an integer in 1..10000000, got '%s'"},
+                {"--layers", 1, 64, "--layers must be an integer in 1..64, got '%s'"},
+                {"--hidden", 1, MAX_DIM, "--hidden must be an integer in 1..65536, got '%s'"},
+                {"--ffn", 1, MAX_DIM, "--ffn must be an integer in 1..65536, got '%s'"},
+                {"--experts", 1, 1024, "--experts must be an integer in 1..1024, got '%s'"},
+                {"--topk", 1, 1024, "--topk must be an integer in 1..1024, got '%s'"},
+                {"--tokens", 1, 1 << 20, "--tokens must be an integer in 1..1048576, got '%s'"},
+                {"--threads", 0, 1024, "--threads must be an integer in 0..1024, got '%s'"},
+                {"--print-every", 1, 10000000, "--print-every must be an integer in 1..10000000, got '%s'"},
+                {"--teacher-rank", 0, MAX_DIM, "--teacher-rank must be an integer in 0..65536, got '%s'"},
+            };
+            int64_t *dst[] = {&o->steps, &o->layers, &o->hidden, &o->ffn, &o->experts,
+                              &o->topk, &o->tokens, &o->threads, &o->print_every, &o->rank};
+            for (size_t k = 0; k < sizeof ints / sizeof ints[0]; k++)
+                if (!strcmp(name, ints[k].name)) {
+                    if (parse_i64(val, ints[k].lo, ints[k].hi, dst[k]))
+                        return usage_error(ints[k].rule, val);
+                    if (dst[k] == &o->print_every)
+                        print_every_set = 1;
+                }
+        }
+    }
+    if (o->topk > o->experts)
+        return usage_error("%s", "--topk must not exceed --experts");
+    /* Working set: the biggest buffers are the expert weights, ~20 floats per
+     * weight per recipe (masters, grads, moments, layer copies). */
+    double weights = (double)o->layers * (double)o->experts * 3.0 * (double)o->ffn * (double)o->hidden;
+    if (weights * 80.0 * o->nrecipes + (double)o->tokens * (double)o->hidden * 4.0 * 8 * (double)o->layers >
+        64.0 * (1ull << 30))
+        return usage_error("%s", "the model is too large: it would need over 64 GiB of memory");
+    if (!print_every_set)
+        o->print_every = o->steps <= 50 ? 1 : (o->steps + 49) / 50;
+    return -1;
+}
+
+/* ---- helpers ------------------------------------------------------------- */
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* mkdir -p */
+static int make_dirs(const char *path)
+{
+    char buf[4096];
+    size_t n = strlen(path);
+    if (n >= sizeof buf)
+        return -1;
+    memcpy(buf, path, n + 1);
+    for (size_t i = 1; i <= n; i++) {
+        if (buf[i] != '/' && buf[i] != '\0')
+            continue;
+        char c = buf[i];
+        buf[i] = '\0';
+        if (mkdir(buf, 0777) && errno != EEXIST)
+            return -1;
+        buf[i] = c;
+    }
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISDIR(st.st_mode) ? 0 : -1;
+}
+
+static int64_t explicit_casts(fm_context *ctx)
+{
+    fm_stats st;
+    if (fm_stats_get(ctx, &st) != FM_OK)
+        return 0;
+    return st.casts_to_low + st.casts_to_high;
+}
+
+/* ---- the model ----------------------------------------------------------- */
+
+enum { P_GAIN, P_ROUTER, P_W1, P_W2, NPARAM };
+
+/* One block x = x + MoE(RMSNorm(x)) of one student. */
+typedef struct {
+    fm_moe_layer *layer;
+    float *p[NPARAM], *g[NPARAM], *m[NPARAM], *v[NPARAM]; /* host: masters, grads, AdamW moments */
+    fm_moe_weights dev;                                   /* context memory: weights, grads */
+    float *dev_x;                                         /* context memory: the layer's input [T, H],
+                                                             kept for its backward */
+    void *dev_mem;
+    float *x, *n, *rstd;                                  /* host: block input, its norm, 1/rms */
+    void *host_mem;
+} block;
+
+typedef struct {
+    fm_recipe recipe;
+    block *blocks;
+    double *loss;           /* [steps] */
+    double seconds;         /* this recipe's share of the run */
+    int64_t measured_casts; /* last step: explicit casts around every layer call */
+} student;
+
+typedef struct {
+    const options *o;
+    fm_context *ctx;
+    fm_device dev;
+    int64_t T, H, I, E;
+    int64_t count[NPARAM]; /* parameters per block */
+    float *dev_a, *dev_b;  /* context memory: a layer call's output and dy, [T, H] */
+    float *out, *dcur, *dn, *dxn; /* host scratch, [T, H] */
+    tr_adamw opt;
+} trainer;
+
+static int fail(fm_context *ctx, const char *what)
+{
+    fprintf(stderr, "%s: %s: %s\n", prog, what, fm_last_error(ctx));
+    return 1;
+}
+
+#define CALL(what, expr)                \
+    do {                                \
+        if ((expr) != FM_OK)            \
+            return fail(tr->ctx, what); \
+    } while (0)
+
+static size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+/* Host and context memory of one block, weights copied from `init`. */
+static int block_create(trainer *tr, fm_recipe recipe, block *b, const block *init)
+{
+    const options *o = tr->o;
+    *b = (block){0};
+    size_t host_floats = 0;
+    for (int p = 0; p < NPARAM; p++)
+        host_floats += 4 * (size_t)tr->count[p];
+    host_floats += 2 * (size_t)(tr->T * tr->H) + (size_t)tr->T;
+    float *h = calloc(host_floats, sizeof(float));
+    if (!h) {
+        fprintf(stderr, "%s: out of host memory\n", prog);
+        return 1;
+    }
+    b->host_mem = h;
+    for (int p = 0; p < NPARAM; p++) {
+        b->p[p] = h, h += tr->count[p];
+        b->g[p] = h, h += tr->count[p];
+        b->m[p] = h, h += tr->count[p];
+        b->v[p] = h, h += tr->count[p];
+        if (init)
+            memcpy(b->p[p], init->p[p], (size_t)tr->count[p] * sizeof(float));
+    }
+    b->x = h, h += tr->T * tr->H;
+    b->n = h, h += tr->T * tr->H;
+    b->rstd = h;
+
+    /* Context memory: router, w1, w2, their gradients and the layer's input,
+     * each 256-byte aligned. */
+    size_t off[7], total = 0;
+    for (int k = 0; k < 7; k++) {
+        off[k] = total;
+        total += round_up((size_t)(k < 6 ? tr->count[P_ROUTER + k % 3] : tr->T * tr->H) * sizeof(float), 256);
+    }
+    void *d;
+    if (fm_context_alloc(tr->ctx, total, &d) != FM_OK)
+        return fail(tr->ctx, "fm_context_alloc");
+    b->dev_mem = d;
+    char *base = d;
+    b->dev = (fm_moe_weights){.router = (float *)(base + off[0]), .w1 = (float *)(base + off[1]),
+                              .w2 = (float *)(base + off[2]), .grad_router = (float *)(base + off[3]),
+                              .grad_w1 = (float *)(base + off[4]), .grad_w2 = (float *)(base + off[5])};
+    b->dev_x = (float *)(base + off[6]);
+    fm_moe_layer_config cfg = {.hidden = tr->H, .ffn = tr->I, .experts = tr->E, .topk = (int)o->topk,
+                               .score = FM_ROUTER_SOFTMAX, .renormalize = 1, .recipe = recipe,
+                               .max_tokens = tr->T};
+    if (fm_moe_layer_create(tr->ctx, &cfg, &b->layer) != FM_OK)
+        return fail(tr->ctx, "fm_moe_layer_create");
+    return 0;
+}
+
+static void block_destroy(trainer *tr, block *b)
+{
+    if (b->layer)
+        fm_moe_layer_destroy(b->layer);
+    if (b->dev_mem)
+        fm_context_free(tr->ctx, b->dev_mem);
+    free(b->host_mem);
+    *b = (block){0};
+}
+
+/* A copy of `bytes` between host and context memory. */
+static fm_status to_dev(trainer *tr, void *dst, const void *src, size_t bytes)
+{
+    return fm_context_copy(tr->ctx, dst, tr->dev, src, FM_DEVICE_HOST, bytes);
+}
+static fm_status to_host(trainer *tr, void *dst, const void *src, size_t bytes)
+{
+    return fm_context_copy(tr->ctx, dst, FM_DEVICE_HOST, src, tr->dev, bytes);
+}
+
+static fm_tensor act_tensor(trainer *tr, float *p)
+{
+    fm_tensor t = fm_tensor_2d(p, FM_DTYPE_F32, tr->T, tr->H);
+    t.device = tr->dev;
+    return t;
+}
+
+/* One optimizer step of student s on batch x -> target y. */
+static int train_step(trainer *tr, student *s, int64_t step, const float *x, const float *y)
+{
+    const int64_t L = tr->o->layers, TH = tr->T * tr->H;
+    const size_t act_bytes = (size_t)TH * sizeof(float);
+    double t0 = now_s();
+    int64_t casts = 0;
+    fm_tensor a = act_tensor(tr, tr->dev_a), b = act_tensor(tr, tr->dev_b);
+
+    for (int64_t l = 0; l < L; l++) {
+        block *bl = &s->blocks[l];
+        CALL("weights to the device", to_dev(tr, bl->dev.router, bl->p[P_ROUTER], (size_t)tr->count[P_ROUTER] * 4));
+        CALL("weights to the device", to_dev(tr, bl->dev.w1, bl->p[P_W1], (size_t)tr->count[P_W1] * 4));
+        CALL("weights to the device", to_dev(tr, bl->dev.w2, bl->p[P_W2], (size_t)tr->count[P_W2] * 4));
+        CALL("fm_moe_layer_refresh_weights", fm_moe_layer_refresh_weights(bl->layer, &bl->dev));
+    }
+    /* forward */
+    memcpy(s->blocks[0].x, x, act_bytes);
+    for (int64_t l = 0; l < L; l++) {
+        block *bl = &s->blocks[l];
+        tr_rmsnorm_forward(bl->x, bl->p[P_GAIN], tr->T, tr->H, bl->n, bl->rstd);
+        CALL("activations to the device", to_dev(tr, bl->dev_x, bl->n, act_bytes));
+        fm_tensor in = act_tensor(tr, bl->dev_x);
+        int64_t c0 = explicit_casts(tr->ctx);
+        CALL("fm_moe_layer_forward", fm_moe_layer_forward(bl->layer, &bl->dev, &in, &b));
+        casts += explicit_casts(tr->ctx) - c0;
+        CALL("activations to the host", to_host(tr, tr->out, tr->dev_b, act_bytes));
+        float *next = l + 1 < L ? s->blocks[l + 1].x : tr->out;
+        for (int64_t i = 0; i < TH; i++)
+            next[i] = bl->x[i] + tr->out[i];
+    }
+    /* loss = mean((out - y)²) and its gradient */
+    double loss = 0;
+    for (int64_t i = 0; i < TH; i++) {
+        double d = (double)tr->out[i] - y[i];
+        loss += d * d;
+        tr->dcur[i] = (float)(2.0 * d / (double)TH);
+    }
+    s->loss[step - 1] = loss / (double)TH;
+    /* backward */
+    for (int64_t l = L - 1; l >= 0; l--) {
+        block *bl = &s->blocks[l];
+        CALL("fm_context_memset", fm_context_memset(tr->ctx, bl->dev.grad_router, 0, (size_t)tr->count[P_ROUTER] * 4));
+        CALL("fm_context_memset", fm_context_memset(tr->ctx, bl->dev.grad_w1, 0, (size_t)tr->count[P_W1] * 4));
+        CALL("fm_context_memset", fm_context_memset(tr->ctx, bl->dev.grad_w2, 0, (size_t)tr->count[P_W2] * 4));
+        CALL("gradients to the device", to_dev(tr, tr->dev_a, tr->dcur, act_bytes));
+        fm_tensor in = act_tensor(tr, bl->dev_x);
+        int64_t c0 = explicit_casts(tr->ctx);
+        CALL("fm_moe_layer_backward", fm_moe_layer_backward(bl->layer, &bl->dev, &in, &a, &b));
+        casts += explicit_casts(tr->ctx) - c0;
+        CALL("gradients to the host", to_host(tr, tr->dn, tr->dev_b, act_bytes));
+        CALL("gradients to the host", to_host(tr, bl->g[P_ROUTER], bl->dev.grad_router, (size_t)tr->count[P_ROUTER] * 4));
+        CALL("gradients to the host", to_host(tr, bl->g[P_W1], bl->dev.grad_w1, (size_t)tr->count[P_W1] * 4));
+        CALL("gradients to the host", to_host(tr, bl->g[P_W2], bl->dev.grad_w2, (size_t)tr->count[P_W2] * 4));
+        memset(bl->g[P_GAIN], 0, (size_t)tr->count[P_GAIN] * sizeof(float));
+        tr_rmsnorm_backward(bl->x, bl->p[P_GAIN], bl->rstd, tr->dn, tr->T, tr->H, tr->dxn, bl->g[P_GAIN]);
+        for (int64_t i = 0; i < TH; i++) /* the residual path carries dcur on */
+            tr->dcur[i] += tr->dxn[i];
+    }
+    /* AdamW; the norm gains are not decayed, as is usual */
+    for (int64_t l = 0; l < L; l++) {
+        block *bl = &s->blocks[l];
+        for (int p = 0; p < NPARAM; p++)
+            tr_adamw_step(&tr->opt, step, bl->p[p], bl->g[p], bl->m[p], bl->v[p], tr->count[p], p != P_GAIN);
+    }
+    s->measured_casts = casts;
+    s->seconds += now_s() - t0;
+    return 0;
+}
+
+/* ---- output -------------------------------------------------------------- */
+
+static double final_loss(const student *s, int64_t steps)
+{
+    int64_t n = steps < LAST_STEPS ? steps : LAST_STEPS;
+    double sum = 0;
+    for (int64_t i = steps - n; i < steps; i++)
+        sum += s->loss[i];
+    return sum / (double)n;
+}
+
+static int write_outputs(const options *o, const student *st)
+{
+    if (make_dirs(o->out)) {
+        fprintf(stderr, "%s: cannot create the directory %s: %s\n", prog, o->out, strerror(errno));
+        return 1;
+    }
+    char path[4200];
+    snprintf(path, sizeof path, "%s/loss.csv", o->out);
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        fprintf(stderr, "%s: cannot write %s: %s\n", prog, path, strerror(errno));
+        return 1;
+    }
+    fputs("step", f);
+    for (int r = 0; r < o->nrecipes; r++)
+        fprintf(f, ",%s", fm_recipe_name(st[r].recipe));
+    fputc('\n', f);
+    for (int64_t i = 0; i < o->steps; i++) {
+        fprintf(f, "%lld", (long long)(i + 1));
+        for (int r = 0; r < o->nrecipes; r++)
+            fprintf(f, ",%.9g", st[r].loss[i]);
+        fputc('\n', f);
+    }
+    if (fclose(f)) {
+        fprintf(stderr, "%s: cannot write %s: %s\n", prog, path, strerror(errno));
+        return 1;
+    }
+    printf("wrote %s\n", path);
+
+    snprintf(path, sizeof path, "%s/loss.svg", o->out);
+    f = fopen(path, "w");
+    if (!f) {
+        fprintf(stderr, "%s: cannot write %s: %s\n", prog, path, strerror(errno));
+        return 1;
+    }
+    const char *names[FM_RECIPE_COUNT];
+    const double *curves[FM_RECIPE_COUNT];
+    for (int r = 0; r < o->nrecipes; r++)
+        names[r] = fm_recipe_name(st[r].recipe), curves[r] = st[r].loss;
+    char title[256];
+    snprintf(title, sizeof title, "fm-train: %lld layers, H=%lld, I=%lld, E=%lld, top-%lld, %lld tokens/step, seed %llu",
+             (long long)o->layers, (long long)o->hidden, (long long)o->ffn, (long long)o->experts,
+             (long long)o->topk, (long long)o->tokens, (unsigned long long)o->seed);
+    int bad = svg_log_plot(f, title, "step", "MSE loss to the teacher (log scale)", o->nrecipes, names, curves,
+                           o->steps);
+    if (fclose(f) || bad) {
+        fprintf(stderr, "%s: cannot write %s: %s\n", prog, path, strerror(errno));
+        return 1;
+    }
+    printf("wrote %s\n", path);
+    return 0;
+}
+
+static void print_table(const trainer *tr, const student *st)
+{
+    const options *o = tr->o;
+    double base = NAN;
+    for (int r = 0; r < o->nrecipes; r++)
+        if (st[r].recipe == FM_RECIPE_BF16)
+            base = final_loss(&st[r], o->steps);
+    int64_t n = o->steps < LAST_STEPS ? o->steps : LAST_STEPS;
+    printf("\n| recipe | final loss (mean of last %lld) | gap to bf16 | casts / layer-step | "
+           "saved for backward / layer | tokens/s |\n",
+           (long long)n);
+    printf("|---|---:|---:|---:|---:|---:|\n");
+    for (int r = 0; r < o->nrecipes; r++) {
+        const student *s = &st[r];
+        double fl = final_loss(s, o->steps);
+        char gap[32] = "-";
+        if (!isnan(base) && s->recipe != FM_RECIPE_BF16)
+            snprintf(gap, sizeof gap, "%+.2f%%", 100.0 * (fl - base) / base);
+        /* saved bytes depend on the routing (padding per expert): the mean over layers */
+        double saved = 0;
+        int64_t casts = -1;
+        for (int64_t l = 0; l < o->layers; l++) {
+            fm_moe_layer_info info;
+            if (fm_moe_layer_get_info(s->blocks[l].layer, &info) == FM_OK) {
+                saved += (double)info.saved_bytes / (double)o->layers;
+                if (l == 0)
+                    casts = info.casts_per_step;
+            }
+        }
+        printf("| %s | %.4e | %s | %lld | %.0f B (%.1f KiB) | %.0f |\n", fm_recipe_name(s->recipe), fl, gap,
+               (long long)casts, saved, saved / 1024.0, s->seconds > 0 ? (double)(o->tokens * o->steps) / s->seconds : 0);
+    }
+}
+
+/* The layer's own count (fm_moe_layer_get_info) must agree with the context
+ * statistics measured around each call; a mismatch means one of them is wrong. */
+static void check_casts(const trainer *tr, const student *s)
+{
+    int64_t sum = 0;
+    for (int64_t l = 0; l < tr->o->layers; l++) {
+        fm_moe_layer_info info;
+        if (fm_moe_layer_get_info(s->blocks[l].layer, &info) == FM_OK)
+            sum += info.casts_per_step;
+    }
+    if (sum != s->measured_casts)
+        fprintf(stderr, "%s: warning: %s: the layers report %lld casts per step in all, the context statistics "
+                        "counted %lld around the layer calls\n",
+                prog, fm_recipe_name(s->recipe), (long long)sum, (long long)s->measured_casts);
+}
+
+/* ---- main ---------------------------------------------------------------- */
+
+static int run(trainer *tr, student *st)
+{
+    const options *o = tr->o;
+    const int64_t T = tr->T, H = tr->H, I = tr->I, E = tr->E, L = o->layers;
+    tr_moe_shape shape = {.hidden = H, .ffn = I, .experts = E, .topk = (int)o->topk, .renormalize = 1};
+
+    /* Sizes the layer cannot take are usage errors, found before any work. */
+    for (int r = 0; r < o->nrecipes; r++) {
+        fm_moe_layer_config cfg = {.hidden = H, .ffn = I, .experts = E, .topk = (int)o->topk,
+                                   .score = FM_ROUTER_SOFTMAX, .renormalize = 1, .recipe = o->recipes[r],
+                                   .max_tokens = T};
+        int64_t bytes;
+        if (fm_moe_layer_workspace_size(tr->ctx, &cfg, &bytes) != FM_OK) {
+            fprintf(stderr, "%s: %s: %s\n\n", prog, fm_recipe_name(o->recipes[r]), fm_last_error(tr->ctx));
+            usage(stderr);
+            return 2;
+        }
+    }
+
+    tr_teacher teacher;
+    if (tr_teacher_create(&teacher, &shape, (int)L, o->rank, o->seed ^ 0x7465616368657221u)) {
+        fprintf(stderr, "%s: out of host memory\n", prog);
+        return 1;
+    }
+    int rc = 0;
+    float *x = malloc((size_t)(T * H) * sizeof *x), *y = malloc((size_t)(T * H) * sizeof *y);
+    tr->out = malloc((size_t)(T * H) * sizeof(float));
+    tr->dcur = malloc((size_t)(T * H) * sizeof(float));
+    tr->dn = malloc((size_t)(T * H) * sizeof(float));
+    tr->dxn = malloc((size_t)(T * H) * sizeof(float));
+    block *init = calloc((size_t)L, sizeof *init);
+    if (!x || !y || !tr->out || !tr->dcur || !tr->dn || !tr->dxn || !init) {
+        fprintf(stderr, "%s: out of host memory\n", prog);
+        rc = 1;
+        goto done;
+    }
+    /* The shared initial weights: host arrays only, copied into every student. */
+    tr_rng init_rng;
+    tr_rng_seed(&init_rng, o->seed ^ 0x73747564656e7473u);
+    for (int64_t l = 0; l < L && !rc; l++) {
+        for (int p = 0; p < NPARAM && !rc; p++)
+            if (!(init[l].p[p] = malloc((size_t)tr->count[p] * sizeof(float)))) {
+                fprintf(stderr, "%s: out of host memory\n", prog);
+                rc = 1;
+            }
+        if (rc)
+            break;
+        for (int64_t i = 0; i < H; i++)
+            init[l].p[P_GAIN][i] = 1.0f;
+        /* A small W2, as residual branches are usually initialised: the loss
+         * starts at the teacher's own variance, not at that plus the student's. */
+        tr_init_moe(&init_rng, &shape, 1.0, 0.1, init[l].p[P_ROUTER], init[l].p[P_W1], init[l].p[P_W2]);
+    }
+    for (int r = 0; r < o->nrecipes && !rc; r++) {
+        st[r].recipe = o->recipes[r];
+        st[r].loss = calloc((size_t)o->steps, sizeof(double));
+        st[r].blocks = calloc((size_t)L, sizeof(block));
+        if (!st[r].loss || !st[r].blocks) {
+            fprintf(stderr, "%s: out of host memory\n", prog);
+            rc = 1;
+            break;
+        }
+        for (int64_t l = 0; l < L && !rc; l++)
+            rc = block_create(tr, o->recipes[r], &st[r].blocks[l], &init[l]);
+    }
+    if (!rc) {
+        void *a, *b;
+        if (fm_context_alloc(tr->ctx, (size_t)(T * H) * sizeof(float), &a) != FM_OK)
+            rc = fail(tr->ctx, "fm_context_alloc");
+        else if (tr->dev_a = a, fm_context_alloc(tr->ctx, (size_t)(T * H) * sizeof(float), &b) != FM_OK)
+            rc = fail(tr->ctx, "fm_context_alloc");
+        else
+            tr->dev_b = b;
+    }
+    if (rc)
+        goto done;
+
+    printf("%s: %lld layers x (H=%lld, I=%lld, E=%lld, top-%lld), %lld tokens/step, %lld steps, lr %g, seed %llu, "
+           "%s backend\n",
+           prog, (long long)L, (long long)H, (long long)I, (long long)E, (long long)o->topk, (long long)T,
+           (long long)o->steps, o->lr, (unsigned long long)o->seed, fm_context_backend_name(tr->ctx));
+    printf("%8s", "step");
+    for (int r = 0; r < o->nrecipes; r++)
+        printf("  %13s", fm_recipe_name(o->recipes[r]));
+    printf("  %10s\n", "tokens/s");
+
+    tr_rng data;
+    tr_rng_seed(&data, o->seed ^ 0x6261746368657321u);
+    double wall0 = now_s(), tick = wall0;
+    int64_t since = 0;
+    for (int64_t step = 1; step <= o->steps && !rc; step++) {
+        tr_fill_normal(&data, x, T * H, 1.0);
+        if (tr_teacher_forward(&teacher, x, T, y)) {
+            fprintf(stderr, "%s: out of host memory\n", prog);
+            rc = 1;
+            break;
+        }
+        for (int r = 0; r < o->nrecipes && !rc; r++)
+            rc = train_step(tr, &st[r], step, x, y);
+        since++;
+        if (!rc && (step % o->print_every == 0 || step == o->steps || step == 1)) {
+            double t = now_s();
+            printf("%8lld", (long long)step);
+            for (int r = 0; r < o->nrecipes; r++)
+                printf("  %13.4e", st[r].loss[step - 1]);
+            printf("  %10.0f\n", (double)(T * since * o->nrecipes) / (t - tick));
+            fflush(stdout);
+            tick = t, since = 0;
+        }
+    }
+    if (rc)
+        goto done;
+    double wall = now_s() - wall0;
+    print_table(tr, st);
+    for (int r = 0; r < o->nrecipes; r++)
+        check_casts(tr, &st[r]);
+    printf("\n%lld steps x %d recipes in %.1f s (tokens/s: each recipe's own time, teacher excluded)\n",
+           (long long)o->steps, o->nrecipes, wall);
+    rc = write_outputs(o, st);
+
+done:
+    for (int r = 0; r < o->nrecipes; r++) {
+        for (int64_t l = 0; st[r].blocks && l < L; l++)
+            block_destroy(tr, &st[r].blocks[l]);
+        free(st[r].blocks), free(st[r].loss);
+    }
+    for (int64_t l = 0; init && l < L; l++)
+        for (int p = 0; p < NPARAM; p++)
+            free(init[l].p[p]);
+    free(init);
+    if (tr->dev_a)
+        fm_context_free(tr->ctx, tr->dev_a);
+    if (tr->dev_b)
+        fm_context_free(tr->ctx, tr->dev_b);
+    free(x), free(y), free(tr->out), free(tr->dcur), free(tr->dn), free(tr->dxn);
+    tr_teacher_destroy(&teacher);
+    return rc;
+}
+
+int main(int argc, char **argv)
+{
+    options o;
+    int rc = parse_args(argc, argv, &o);
+    if (rc >= 0)
+        return rc;
+    fm_context *ctx;
+    fm_context_config cc = {.backend = o.backend, .cpu_threads = (int)o.threads};
+    if (fm_context_create(&cc, &ctx) != FM_OK) {
+        fprintf(stderr, "%s: %s\n", prog, fm_last_error(NULL));
+        return 1;
+    }
+    trainer tr = {.o = &o, .ctx = ctx, .dev = fm_context_device(ctx), .T = o.tokens, .H = o.hidden,
+                  .I = o.ffn, .E = o.experts,
+                  .opt = {.lr = o.lr, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = o.wd}};
+    tr.count[P_GAIN] = o.hidden;
+    tr.count[P_ROUTER] = o.experts * o.hidden;
+    tr.count[P_W1] = o.experts * 2 * o.ffn * o.hidden;
+    tr.count[P_W2] = o.experts * o.hidden * o.ffn;
+    student st[FM_RECIPE_COUNT] = {0};
+    rc = run(&tr, st);
+    fm_context_destroy(ctx);
+    return rc;
+}
