@@ -35,10 +35,10 @@ struct fm_moe_layer {
     /* weights (refreshed) */
     qbuf w1, w1t, w2, w2t;     /* BF16: w*t are transposed copies; FP8: 128x128 row-wise and column-wise */
     /* forward */
-    qbuf xin;                  /* x before dispatch: BF16, FP8 (flow), FP8 then MXFP4 in xin4 (fp4) */
-    qbuf xin4;
-    qbuf xp;                   /* dispatched rows: BF16 / FP8 / MXFP4 (fp4 keeps this for backward) */
-    qbuf xp8;                  /* fp4: the FP8 copy the GEMM eats; blockwise: row-wise FP8 of xp */
+    qbuf xin;                  /* x before dispatch: BF16, or FP8 (flow recipes) */
+    qbuf xp;                   /* dispatched rows: BF16 or FP8 */
+    qbuf xp4;                  /* fp4: xp in MXFP4, what backward keeps */
+    qbuf xp8;                  /* blockwise: row-wise FP8 of xp */
     qbuf xcol;                 /* grouped column-wise FP8 of xp (blockwise saves it; flow makes it in backward) */
     qbuf a;                    /* fc1 output, BF16 [R, 2I] */
     qbuf asv;                  /* flow: a quantized in the SwiGLU pass (FP8 or MXFP4), saved */
@@ -208,9 +208,8 @@ static void plan(fm_moe_layer *L, planner *p)
         break;
     case FM_RECIPE_FP8_FLOW_FP4:
         L->xin = take_q(p, Q, S, T, H);
-        L->xin4 = take_q(p, F4, MX, T, H);
-        L->xp = take_q(p, F4, MX, R, H);
-        L->xp8 = take_q(p, Q, S, R, H);
+        L->xp = take_q(p, Q, S, R, H);
+        L->xp4 = take_q(p, F4, MX, R, H);
         L->xcol = take_gcol(p, Q, S, R, H, E);
         L->asv = take_q(p, F4, MX, R, 2 * I);
         L->hq = take_q(p, Q, S, R, I);
@@ -566,14 +565,6 @@ fm_status fm_moe_layer_forward(fm_moe_layer *L, const fm_moe_weights *w, const f
         if ((st = fm_quantize(ctx, &qc, x, &xin, NULL)))
             return st;
         xp = act8(L, &L->xp, Rm, H);
-        if (rc == FM_RECIPE_FP8_FLOW_FP4) {
-            fm_tensor x4 = act4(L, &L->xin4, T, H);
-            fm_requant_config rq = {0};
-            if ((st = fm_convert_scaled(ctx, &rq, &xin, &x4)))
-                return st;
-            xin = x4;
-            xp = act4(L, &L->xp, Rm, H);
-        }
     }
     fm_permute_config pc = {.pad_multiple = c->pad_multiple};
     fm_tensor row_map = plain(L, &L->row_map, FM_DTYPE_I32, Rm, 1);
@@ -605,10 +596,11 @@ fm_status fm_moe_layer_forward(fm_moe_layer *L, const fm_moe_weights *w, const f
         a_in = act8(L, &L->xp, R, H);
         saved += tensor_total(&a_in);
     } else {
-        fm_tensor x4 = act4(L, &L->xp, R, H);
-        a_in = act8(L, &L->xp8, R, H);
+        /* The GEMM eats the FP8 rows; backward keeps them in MXFP4. */
+        fm_tensor x4 = act4(L, &L->xp4, R, H);
+        a_in = act8(L, &L->xp, R, H);
         fm_requant_config rq = {0};
-        if ((st = fm_convert_scaled(ctx, &rq, &x4, &a_in)))
+        if ((st = fm_convert_scaled(ctx, &rq, &a_in, &x4)))
             return st;
         saved += tensor_total(&x4);
     }
@@ -804,7 +796,7 @@ fm_status fm_moe_layer_backward(fm_moe_layer *L, const fm_moe_weights *w, const 
             if ((st = fm_transpose_scaled_grouped(ctx, &rq, &sp, &xp, &xcol)))
                 return st;
         } else if (rc == FM_RECIPE_FP8_FLOW_FP4) {
-            fm_tensor x4 = act4(L, &L->xp, R, H), x8 = act8(L, &L->xp8, R, H);
+            fm_tensor x4 = act4(L, &L->xp4, R, H), x8 = act8(L, &L->xp, R, H);
             if ((st = fm_convert_scaled(ctx, &rq, &x4, &x8)) ||
                 (st = fm_transpose_scaled_grouped(ctx, &rq, &sp, &x8, &xcol)))
                 return st;
