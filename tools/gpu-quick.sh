@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader >>"$s"
 [ -f $B/build.ninja ] || t 120 build.log meson setup $B -Dcuda=enabled -Doracle_tests=false
 t 400 build.log ninja -C $B -j "$(nproc)" || { tail -40 "$OUT/build.log"; exit 1; }
 grep -c "warning" "$OUT/build.log" | sed 's/^/build warnings: /' >>"$s"
-names=$(meson test -C $B --suite gpu --list 2>/dev/null | sed 's/^.* \/ //' | grep -v '^fm-xval$')
+names=$(meson test -C $B --suite gpu --list 2>/dev/null | awk -F: '{print $NF}' | grep -v '^fm-xval$')
 t 300 tests.log meson test -C $B --num-processes 1 --print-errorlogs $names
 grep -E "^ *[0-9]+/[0-9]+ " "$OUT/tests.log" >>"$s"
 t 200 xval.log $B/tools/fm-xval
