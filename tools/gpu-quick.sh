@@ -23,7 +23,7 @@ grep -E "passed" "$OUT/xval.log" >>"$s"
 t 60 train.log $B/tools/fm-train --backend cuda --steps 6 --print-every 1 --out "$OUT/train-cuda"
 t 60 train.log $B/tools/fm-train --backend cpu --steps 6 --print-every 1 --out "$OUT/train-cpu"
 if [ "${FM_MEMCHECK:-1}" = 1 ]; then
-  for x in $B/tests/gpu/test_cuda_*; do [ -x "$x" ] || continue
+  for x in $B/tests/gpu/test_cuda_*; do [ -f "$x" ] && [ -x "$x" ] || continue
     t 120 memcheck.log compute-sanitizer --tool memcheck --error-exitcode 9 "$x"
   done
   t 200 memcheck.log compute-sanitizer --tool memcheck --error-exitcode 9 $B/tools/fm-xval -q

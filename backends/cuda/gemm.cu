@@ -171,6 +171,16 @@ static fm_status get_plan(fm_context *ctx, const plan_key *key, size_t ws, plan 
             (st = lt_check(ctx, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &bm, sizeof bm),
                            "CUBLASLT_MATMUL_DESC_B_SCALE_MODE")))
             goto fail;
+        /* The heuristic refuses vector scale modes without scale pointers;
+         * any device address serves here, each call sets the real ones. */
+        const void *any = fm_cuda(ctx)->workspace;
+        if ((st = lt_check(ctx, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &any,
+                                                               sizeof any),
+                           "CUBLASLT_MATMUL_DESC_A_SCALE_POINTER")) ||
+            (st = lt_check(ctx, cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &any,
+                                                               sizeof any),
+                           "CUBLASLT_MATMUL_DESC_B_SCALE_POINTER")))
+            goto fail;
     }
     {
         uint64_t wsb = ws;
@@ -374,9 +384,42 @@ static fm_status zero_output(fm_context *ctx, void *d, int64_t bytes, cudaStream
     return fm_cuda_check(ctx, cudaMemsetAsync(d, 0, (size_t)bytes, s), "cudaMemsetAsync(D)");
 }
 
+/* cuBLASLt's F32 GEMM writes F32 only: a BF16 result of F32 operands goes
+ * through an F32 buffer and fm_cast (one more rounding than the CPU's, well
+ * inside the tolerance). `d` is not accumulated into (core requires F32 D
+ * for that). */
+static fm_status via_f32(fm_context *ctx, fm_tensor *d, fm_tensor *tmp, void **buf)
+{
+    *tmp = *d;
+    tmp->dtype = FM_DTYPE_F32;
+    tmp->data_capacity = 0;
+    *buf = NULL;
+    size_t n = (size_t)fm_tensor_nbytes(tmp);
+    cudaError_t err = cudaMallocAsync(buf, n ? n : 4, fm_cuda_stream(ctx));
+    tmp->data = *buf;
+    return fm_cuda_check(ctx, err, "F32 GEMM result buffer: cudaMallocAsync");
+}
+
+static fm_status via_f32_finish(fm_context *ctx, fm_status st, fm_tensor *tmp, fm_tensor *d, void *buf)
+{
+    if (!st)
+        st = fm_cuda_cast(ctx, tmp, d);
+    cudaError_t err = cudaFreeAsync(buf, fm_cuda_stream(ctx));
+    fm_status st2 = fm_cuda_check(ctx, err, "F32 GEMM result buffer: cudaFreeAsync");
+    return st ? st : st2;
+}
+
 extern "C" fm_status fm_cuda_gemm(fm_context *ctx, const fm_gemm_config *cfg, const fm_tensor *a, const fm_tensor *b,
                                   fm_tensor *d)
 {
+    if (a->dtype == FM_DTYPE_F32 && d->dtype != FM_DTYPE_F32) {
+        fm_tensor tmp;
+        void *buf;
+        fm_status st = via_f32(ctx, d, &tmp, &buf);
+        if (st)
+            return st;
+        return via_f32_finish(ctx, fm_cuda_gemm(ctx, cfg, a, b, &tmp), &tmp, d, buf);
+    }
     int64_t M = a->shape[0], N = b->shape[0], K = a->shape[1];
     fm_status st = check_supported(ctx, a, b, K, "fm_gemm");
     if (st || M == 0 || N == 0)
@@ -493,6 +536,14 @@ static fm_status run_grouped(fm_context *ctx, const expert_job *jobs, int64_t n,
 extern "C" fm_status fm_cuda_grouped_gemm(fm_context *ctx, const fm_gemm_config *cfg, const fm_splits *splits,
                                           const fm_tensor *a, const fm_tensor *b, fm_tensor *d)
 {
+    if (a->dtype == FM_DTYPE_F32 && d->dtype != FM_DTYPE_F32) {
+        fm_tensor tmp;
+        void *buf;
+        fm_status st = via_f32(ctx, d, &tmp, &buf);
+        if (st)
+            return st;
+        return via_f32_finish(ctx, fm_cuda_grouped_gemm(ctx, cfg, splits, a, b, &tmp), &tmp, d, buf);
+    }
     int64_t E = b->shape[0], N = b->shape[1], K = b->shape[2], S = a->shape[0];
     fm_status st = check_supported(ctx, a, b, K, "fm_grouped_gemm");
     if (st || N == 0 || S == 0)
@@ -574,6 +625,14 @@ extern "C" fm_status fm_cuda_grouped_gemm(fm_context *ctx, const fm_gemm_config 
 extern "C" fm_status fm_cuda_grouped_gemm_wgrad(fm_context *ctx, const fm_gemm_config *cfg, const fm_splits *splits,
                                                 const fm_tensor *dy, const fm_tensor *x, fm_tensor *dw)
 {
+    if (dy->dtype == FM_DTYPE_F32 && dw->dtype != FM_DTYPE_F32) {
+        fm_tensor tmp;
+        void *buf;
+        fm_status st = via_f32(ctx, dw, &tmp, &buf);
+        if (st)
+            return st;
+        return via_f32_finish(ctx, fm_cuda_grouped_gemm_wgrad(ctx, cfg, splits, dy, x, &tmp), &tmp, dw, buf);
+    }
     int64_t E = dw->shape[0], N = dw->shape[1], K = dw->shape[2];
     int fp8 = is_fp8(dy->dtype);
     for (int64_t e = 0; e < E && fp8; e++)
