@@ -211,7 +211,9 @@ static fm_status get_plan(fm_context *ctx, const plan_key *key, size_t ws, plan 
         if (hs == CUBLAS_STATUS_NOT_SUPPORTED || (hs == CUBLAS_STATUS_SUCCESS && found == 0)) {
             st = fm_error(ctx, FM_ERR_UNSUPPORTED,
                           "fm_gemm: cuBLASLt has no algorithm for this product (cuBLASLt m %lld n %lld k %lld, "
-                          "types %d x %d -> %d, scale modes %d x %d)",
+                          "types %d x %d -> %d, scale modes %d x %d); on Hopper its FP8 kernels want N a multiple "
+                          "of 8 and, with block scales, M a multiple of 8 and K of 128 (multiples of 128 always "
+                          "work: pad the operands)",
                           (long long)key->m, (long long)key->n, (long long)key->k, key->atype, key->btype,
                           key->dtype, key->amode, key->bmode);
             goto fail;
@@ -306,6 +308,10 @@ __global__ void repack_scales(const float *src, fm_scale_mode mode, fm_scale_lay
     if (i >= n)
         return;
     int64_t r, c;
+    if (mode == FM_SCALE_TENSOR) {
+        dst[0] = src[0];
+        return;
+    }
     if (mode == FM_SCALE_ROW) {
         r = i;
         c = 0;
@@ -565,7 +571,9 @@ extern "C" fm_status fm_cuda_grouped_gemm(fm_context *ctx, const fm_gemm_config 
     /* A's per-row scales are repacked per expert (its slice of a GEMM-layout
      * array is not a standalone array); B's when they are COMPACT. */
     int rep_a = a->scale_mode == FM_SCALE_ROW || a->scale_mode == FM_SCALE_BLOCK_1x128;
-    int rep_b = gemm_repack_needed(b);
+    /* An expert's TENSOR scale inside B's array is only 4-byte aligned, and
+     * cuBLASLt refuses that at launch: each gets a 256-byte slot. */
+    int rep_b = gemm_repack_needed(b) || b->scale_mode == FM_SCALE_TENSOR;
     size_t scale_bytes = 0;
     for (int64_t e = 0; e < E; e++)
         if (splits->host[e] > 0)

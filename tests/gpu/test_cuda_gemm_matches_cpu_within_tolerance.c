@@ -154,6 +154,29 @@ static const pair_t pairs[] = {
     {FM_DTYPE_F32, FM_DTYPE_F32, FM_SCALE_NONE, FM_SCALE_NONE},
 };
 
+/* cuBLASLt has FP8 kernels on Hopper only for some shapes (N a multiple of
+ * 8, K of 128 with block scales, ...). The CUDA backend then answers
+ * FM_ERR_UNSUPPORTED naming cuBLASLt: counted as skipped, never for shapes
+ * whose dimensions and groups are all multiples of 128. */
+static int gt_skipped;
+
+static int aligned128(int64_t a, int64_t b, int64_t c, int64_t E, const int64_t *splits)
+{
+    int ok = a % 128 == 0 && b % 128 == 0 && c % 128 == 0;
+    for (int64_t e = 0; splits && e < E; e++)
+        ok = ok && splits[e] % 128 == 0;
+    return ok;
+}
+
+static int refused_by_cublaslt(fm_status sc, fm_status sg, fm_context *gpu, int aligned)
+{
+    if (sc == FM_OK && sg == FM_ERR_UNSUPPORTED && strstr(fm_last_error(gpu), "cuBLASLt") && !aligned) {
+        gt_skipped++;
+        return 1;
+    }
+    return 0;
+}
+
 static void dense(fm_context *cpu, fm_context *gpu, const pair_t *p, int64_t M, int64_t N, int64_t K, fm_dtype out,
                   int acc, int nan)
 {
@@ -181,6 +204,7 @@ static void dense(fm_context *cpu, fm_context *gpu, const pair_t *p, int64_t M, 
              acc ? " accumulate" : "", nan ? " NaN" : "");
     fm_status sc = fm_gemm(cpu, &cfg, &A.h, &B.h, &D.h);
     fm_status sg = fm_gemm(gpu, &cfg, &A.d, &B.d, &D.d);
+    if (!refused_by_cublaslt(sc, sg, gpu, aligned128(M, N, K, 0, NULL)))
     GT_CHECK(sc == FM_OK && sg == FM_OK, "%s: cpu %s, cuda %s: %s", what, fm_status_name(sc), fm_status_name(sg),
              fm_last_error(gpu));
     if (sc == FM_OK && sg == FM_OK) {
@@ -212,6 +236,7 @@ static void grouped(fm_context *cpu, fm_context *gpu, const pair_t *p, int64_t E
              (long long)E, (long long)S, (long long)N, (long long)K, fm_dtype_name(out));
     fm_status sc = fm_grouped_gemm(cpu, NULL, &sp, &A.h, &B.h, &D.h);
     fm_status sg = fm_grouped_gemm(gpu, NULL, &sp, &A.d, &B.d, &D.d);
+    if (!refused_by_cublaslt(sc, sg, gpu, aligned128(N, K, 0, E, splits)))
     GT_CHECK(sc == FM_OK && sg == FM_OK, "%s: cpu %s, cuda %s: %s", what, fm_status_name(sc), fm_status_name(sg),
              fm_last_error(gpu));
     if (sc == FM_OK && sg == FM_OK) {
@@ -249,6 +274,7 @@ static void kgrouped(fm_context *cpu, fm_context *gpu, int isfp8, int64_t E, con
              acc ? " accumulate" : "");
     fm_status sc = fm_grouped_gemm_wgrad(cpu, &cfg, &sp, &Y.h, &X.h, &D.h);
     fm_status sg = fm_grouped_gemm_wgrad(gpu, &cfg, &sp, &Y.d, &X.d, &D.d);
+    if (!refused_by_cublaslt(sc, sg, gpu, aligned128(N, K, 0, E, splits)))
     GT_CHECK(sc == FM_OK && sg == FM_OK, "%s: cpu %s, cuda %s: %s", what, fm_status_name(sc), fm_status_name(sg),
              fm_last_error(gpu));
     if (sc == FM_OK && sg == FM_OK) {
@@ -277,13 +303,16 @@ int main(void)
 
     static const int64_t sp1[] = {64, 0, 130, 1, 0, 33, 200, 16}, sp2[] = {0, 0, 257, 0};
     static const int64_t kp1[] = {128, 0, 256, 16, 0, 48, 512, 32}, kp2[] = {0, 384, 0, 0};
+    static const int64_t sp128[] = {128, 0, 256, 128};
     for (size_t p = 0; p < sizeof pairs / sizeof pairs[0]; p++) {
         grouped(cpu, gpu, &pairs[p], 8, sp1, 96, 256, FM_DTYPE_BF16);
         grouped(cpu, gpu, &pairs[p], 4, sp2, 40, 384, FM_DTYPE_F32);
+        grouped(cpu, gpu, &pairs[p], 4, sp128, 256, 256, FM_DTYPE_BF16);
     }
     for (int f = 0; f < 2; f++) {
         kgrouped(cpu, gpu, f, 8, kp1, 64, 96, FM_DTYPE_F32, 1);
         kgrouped(cpu, gpu, f, 4, kp2, 33, 130, FM_DTYPE_BF16, 0);
+        kgrouped(cpu, gpu, f, 4, sp128, 128, 256, FM_DTYPE_F32, 1);
     }
 
     /* cuBLASLt has no BLK128x128 x BLK128x128. */
@@ -300,6 +329,8 @@ int main(void)
 
     fm_context_destroy(cpu);
     fm_context_destroy(gpu);
-    printf("test_cuda_gemm_matches_cpu_within_tolerance: %d failures\n", gt_failures);
+    printf("test_cuda_gemm_matches_cpu_within_tolerance: %d failures, %d cases skipped (no cuBLASLt kernel for the "
+           "shape)\n",
+           gt_failures, gt_skipped);
     return gt_failures ? 1 : 0;
 }
