@@ -1,0 +1,122 @@
+/* One MoE layer step (forward + backward, every recipe) on CUDA against the
+ * CPU backend from the same weights and data: y, dx and the three weight
+ * gradients within a relative Frobenius error bound. The GEMMs may differ
+ * by their tolerance (cuBLASLt sums in F32, the CPU in double), and an FP8
+ * recipe re-quantizes GEMM outputs, where such a difference can move a value
+ * to the neighbouring code: the bound is the GEMM tolerance for bf16 and
+ * what one E4M3 step on a few elements gives for the FP8 recipes. */
+#include <math.h>
+
+#include "gpu_test.h"
+
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+static double nrm(void)
+{
+    double u = 0;
+    for (int i = 0; i < 12; i++) {
+        rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+        u += (double)(rng >> 11) * (1.0 / 9007199254740992.0);
+    }
+    return u - 6.0;
+}
+
+static float *randv(int64_t n, double s)
+{
+    float *v = malloc((size_t)n * 4);
+    for (int64_t i = 0; i < n; i++)
+        v[i] = (float)(nrm() * s);
+    return v;
+}
+
+static double rel(const float *a, const float *b, int64_t n)
+{
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double d = (double)a[i] - b[i];
+        num += d * d;
+        den += (double)b[i] * b[i];
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+enum { WR, W1, W2, GR, G1, G2, X, Y, DY, DX, NB };
+
+typedef struct {
+    float *p[NB];
+} bufs;
+
+/* One forward + backward in ctx; buffers live in ctx's memory. */
+static fm_status step(fm_context *ctx, const fm_moe_layer_config *cfg, bufs *b, int64_t T, int64_t H)
+{
+    fm_moe_layer *L = NULL;
+    fm_status st = fm_moe_layer_create(ctx, cfg, &L);
+    fm_moe_weights w = {b->p[WR], b->p[W1], b->p[W2], b->p[GR], b->p[G1], b->p[G2]};
+    fm_tensor x = fm_tensor_2d(b->p[X], FM_DTYPE_F32, T, H), y = fm_tensor_2d(b->p[Y], FM_DTYPE_F32, T, H);
+    fm_tensor dy = fm_tensor_2d(b->p[DY], FM_DTYPE_F32, T, H), dx = fm_tensor_2d(b->p[DX], FM_DTYPE_F32, T, H);
+    x.device = y.device = dy.device = dx.device = fm_context_device(ctx);
+    if (!st)
+        st = fm_moe_layer_refresh_weights(L, &w);
+    if (!st)
+        st = fm_moe_layer_forward(L, &w, &x, &y);
+    if (!st)
+        st = fm_moe_layer_backward(L, &w, &x, &dy, &dx);
+    if (!st)
+        st = fm_context_synchronize(ctx);
+    fm_moe_layer_destroy(L);
+    return st;
+}
+
+int main(void)
+{
+    fm_context *gpu = gt_cuda_context("test_cuda_layer_matches_cpu");
+    fm_context *cpu = gt_cpu_context();
+    const int64_t T = 300, H = 256, I = 128, E = 4;
+    const int k = 2;
+    int64_t n[NB] = {E * H, E * 2 * I * H, E * H * I, E * H, E * 2 * I * H, E * H * I, T * H, T * H, T * H, T * H};
+    double sc[NB] = {0.0625, 0.0625, 0.088, 0, 0, 0, 1, 0, 1, 0};
+    bufs h, c, d;
+    for (int i = 0; i < NB; i++) {
+        h.p[i] = sc[i] > 0 ? randv(n[i], sc[i]) : calloc((size_t)n[i], 4);
+        c.p[i] = malloc((size_t)n[i] * 4);
+        d.p[i] = NULL;
+    }
+    for (int rc = 0; rc < FM_RECIPE_COUNT; rc++) {
+        const char *rn = fm_recipe_name((fm_recipe)rc);
+        fm_moe_layer_config cfg = {.hidden = H, .ffn = I, .experts = E, .topk = k, .renormalize = 1,
+                                   .recipe = (fm_recipe)rc, .max_tokens = T};
+        for (int i = 0; i < NB; i++) {
+            memcpy(c.p[i], h.p[i], (size_t)n[i] * 4);
+            GT_CHECK(fm_context_alloc(gpu, (size_t)n[i] * 4, (void **)&d.p[i]) == FM_OK, "alloc: %s",
+                     fm_last_error(gpu));
+            GT_CHECK(fm_context_copy(gpu, d.p[i], FM_DEVICE_CUDA, h.p[i], FM_DEVICE_HOST, (size_t)n[i] * 4) == FM_OK,
+                     "copy: %s", fm_last_error(gpu));
+        }
+        fm_status sc_ = step(cpu, &cfg, &c, T, H);
+        GT_CHECK(sc_ == FM_OK, "%s on CPU: %s", rn, fm_last_error(cpu));
+        fm_status sg = step(gpu, &cfg, &d, T, H);
+        GT_CHECK(sg == FM_OK, "%s on CUDA: %s", rn, fm_last_error(gpu));
+        if (sc_ == FM_OK && sg == FM_OK) {
+            static const int outs[] = {Y, DX, GR, G1, G2};
+            static const char *on[] = {"y", "dx", "grad_router", "grad_w1", "grad_w2"};
+            double tol = rc == FM_RECIPE_BF16 ? 5e-3 : 3e-2;
+            for (int o = 0; o < 5; o++) {
+                int i = outs[o];
+                float *g = malloc((size_t)n[i] * 4);
+                GT_CHECK(fm_context_copy(gpu, g, FM_DEVICE_HOST, d.p[i], FM_DEVICE_CUDA, (size_t)n[i] * 4) == FM_OK,
+                         "copy back");
+                double e = rel(g, c.p[i], n[i]);
+                printf("%-14s %-12s rel. error %.2e (bound %.0e)\n", rn, on[o], e, tol);
+                GT_CHECK(e <= tol, "%s %s: CUDA vs CPU rel. Frobenius error %.3g > %.3g", rn, on[o], e, tol);
+                free(g);
+            }
+        }
+        for (int i = 0; i < NB; i++)
+            fm_context_free(gpu, d.p[i]);
+    }
+    for (int i = 0; i < NB; i++)
+        free(h.p[i]), free(c.p[i]);
+    fm_context_destroy(gpu);
+    fm_context_destroy(cpu);
+    printf("test_cuda_layer_matches_cpu: %d failures\n", gt_failures);
+    return gt_failures ? 1 : 0;
+}
