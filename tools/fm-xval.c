@@ -1649,8 +1649,8 @@ static void xv_moe_permute(xv_env *x, xv_counts *cnt)
                     serial++;
                     if ((x->quick && (s->large || serial % 4)) || (s->large && serial % 3))
                         continue;
-                    int rows = (int)(serial % 3), with_probs = serial % 4 != 1, with_op = with_probs && serial % 4 != 2;
-                    int with_hs = (serial / 2) % 2;
+                    int rows = (int)(serial % 3), with_probs = serial % 5 != 1, with_op = with_probs && serial % 5 != 2;
+                    int with_hs = (serial / 3) % 2;
                     char name[240];
                     snprintf(name, sizeof name,
                              "moe_permute T=%lld E=%lld k=%lld H=%lld %s %s pad=%d %s R=%s%s%s%s", (long long)s->T,
@@ -1723,7 +1723,7 @@ static void up_run(xv_env *x, xv_counts *cnt, int bwd)
                         serial++;
                         if ((x->quick && (s->large || serial % 3)) || (s->large && serial % 3))
                             continue;
-                        int route = (int)(serial % ROUTE_COUNT), kind = serial % 5 == 0 ? K_NONFINITE : MT_UNIT;
+                        int route = (int)((serial / 3) % ROUTE_COUNT), kind = serial % 5 == 0 ? K_NONFINITE : MT_UNIT;
                         int mode = bwd ? v + 1 : 0, with_probs = bwd ? v < 2 : v == 0;
                         char name[240];
                         snprintf(name, sizeof name, "moe_unpermute%s T=%lld E=%lld k=%lld H=%lld pad=%d %s y %s out %s%s%s%s",
@@ -1844,7 +1844,8 @@ static void xv_moe_swiglu(xv_env *x, xv_counts *cnt)
                             continue; /* in_saved is written from an unscaled in only */
                         serial++;
                         int large = (int)sw_shapes[si][2];
-                        if ((x->quick && (large || serial % 4)) || (large && serial % 3))
+                        /* quick: one case in 4, the one taken rotating (so no inner loop's value is never hit) */
+                        if ((x->quick && (large || serial % 4 != (serial / 4) % 4)) || (large && serial % 3))
                             continue;
                         int kind = serial % 5 == 1 ? K_NONFINITE : serial % 5 == 3 ? K_MAXMAG : MT_UNIT;
                         int want_amax = o->m != FM_SCALE_NONE && serial % 2;
@@ -1878,7 +1879,8 @@ static void xv_moe_swiglu_backward(xv_env *x, xv_counts *cnt)
                         const sw_fmt *a = &sw_ins[di], *b = &sw_ins[ii], *o = &dins[oi];
                         serial++;
                         int large = (int)sw_shapes[si][2];
-                        if ((x->quick && (large || serial % 12)) || (large && serial % 4) || serial % 2)
+                        if ((x->quick && (large || serial % 12 != (serial / 12) % 12)) || (large && serial % 4) ||
+                            (!x->quick && serial % 2))
                             continue;
                         int kind = serial % 5 == 2 ? K_NONFINITE : serial % 7 == 4 ? K_MAXMAG : MT_UNIT;
                         int want_amax = o->m != FM_SCALE_NONE && serial % 3 == 0;
