@@ -13,7 +13,13 @@
  * path they replace (dequantize to BF16, then quantize column-wise), and the
  * speed-up of the first over the second is printed after the table.
  *
- *   fm-bench [--json] [--reps N] [--filter SUBSTRING]
+ * The MoE ops (permute, unpermute, SwiGLU and dSwiGLU + quantize) run at
+ * issue 7's shapes in the same table, next to the unfused sequences of
+ * library ops they replace; then a whole MoE layer's forward + backward per
+ * recipe, in ms per step and relative to bf16 (--no-layer skips it: it
+ * allocates several GB).
+ *
+ *   fm-bench [--json] [--reps N] [--filter SUBSTRING] [--no-layer]
  * Markdown table on stdout; --json prints JSON instead. Exit 77 without GPU.
  */
 #include <inttypes.h>
@@ -490,9 +496,442 @@ typedef struct result {
     int ok;
 } result;
 
+/* ---- MoE ops at issue 7's shapes ----------------------------------------------
+ * T = 16384 tokens, H = 7168, E = 32 experts, k = 8, I = 2048, experts padded
+ * to 128 rows. The routing is a fixed-seed random top-k with realistic
+ * imbalance (log-normal expert popularity), prepared once outside the timed
+ * region; the permute writes its row maps, splits and permuted probabilities
+ * every time (they are its outputs). SwiGLU runs over the ΣM padded rows that
+ * routing produces, weighted by the permuted probabilities. The unfused rows
+ * do the same with the library's own ops: the SwiGLU with a BF16 output, then
+ * fm_quantize; their speed-ups are printed after the table. */
+
+#define MB_T 16384
+#define MB_H 7168
+#define MB_E 32
+#define MB_K 8
+#define MB_I 2048
+#define MB_PAD 128
+
+typedef enum { M_PERMUTE, M_UNPERMUTE, M_SWIGLU, M_SWIGLU_UNFUSED, M_DSWIGLU, M_DSWIGLU_UNFUSED } moe_op;
+
+typedef struct mcase {
+    const char *name;
+    moe_op op;
+    fm_dtype in;   /* permute: x; unpermute: y; SwiGLU: in; dSwiGLU: dh (its in is the saved E4M3 1x128 copy) */
+    fm_dtype out;  /* unpermute: out; SwiGLU, dSwiGLU: the quantized output's elements */
+    int col;       /* SwiGLU, dSwiGLU: the column-wise copy too */
+    double target;
+} mcase;
+
+static const mcase mcases[] = {
+    {"moe_permute + pad 128, E4M3 1x128 data + scales, probs", M_PERMUTE, FM_DTYPE_E4M3, FM_DTYPE_E4M3, 0, 0.80},
+    {"moe_unpermute + combine BF16 -> BF16, probs", M_UNPERMUTE, FM_DTYPE_BF16, FM_DTYPE_BF16, 0, 0.80},
+    {"moe_unpermute + combine BF16 -> F32, probs", M_UNPERMUTE, FM_DTYPE_BF16, FM_DTYPE_F32, 0, 0.80},
+    {"moe_swiglu BF16 -> E4M3 1x128 row, probs", M_SWIGLU, FM_DTYPE_BF16, FM_DTYPE_E4M3, 0, 0.85},
+    {"moe_swiglu BF16 -> E4M3 1x128 row+col, probs", M_SWIGLU, FM_DTYPE_BF16, FM_DTYPE_E4M3, 1, 0},
+    {"unfused moe_swiglu BF16 -> BF16, fm_quantize -> E4M3 1x128 row", M_SWIGLU_UNFUSED, FM_DTYPE_BF16, FM_DTYPE_E4M3, 0, 0},
+    {"moe_swiglu_backward dh BF16, in E4M3 1x128 -> E4M3 1x128 row, dprobs", M_DSWIGLU, FM_DTYPE_BF16, FM_DTYPE_E4M3, 0, 0.80},
+    {"moe_swiglu_backward dh BF16, in E4M3 1x128 -> E4M3 1x128 row+col, dprobs", M_DSWIGLU, FM_DTYPE_BF16, FM_DTYPE_E4M3, 1, 0},
+    {"unfused moe_swiglu_backward -> BF16, fm_quantize -> E4M3 1x128 row", M_DSWIGLU_UNFUSED, FM_DTYPE_BF16, FM_DTYPE_E4M3, 0, 0},
+};
+#define NMCASES (int)(sizeof mcases / sizeof mcases[0])
+
+/* The routing every MoE case shares, on the device. */
+typedef struct moe_routing {
+    int64_t R, M;  /* R = T·k + E·(pad - 1) rows of the permute's output; M = Σ P_e */
+    fm_tensor ids, probs, row_map, slot_rows, splits, out_probs;
+    fm_tensor pm;  /* the first M rows of out_probs: the SwiGLU's per-row weights */
+} moe_routing;
+
+static fm_tensor mdev(fm_dtype t, fm_scale_mode m, int64_t rows, int64_t cols, fm_layout lay)
+{
+    fm_tensor d = m == FM_SCALE_NONE ? fm_tensor_2d(NULL, t, rows, cols)
+                                     : fm_tensor_quant_2d(NULL, t, rows, cols, lay, m, NULL, FM_SCALE_LAYOUT_COMPACT);
+    d.device = FM_DEVICE_CUDA;
+    d.data = dalloc(fm_tensor_nbytes(&d));
+    if (m != FM_SCALE_NONE)
+        d.scale = dalloc(fm_tensor_scale_nbytes(&d));
+    return d;
+}
+
+/* Unscaled inputs get activation-like values; quantized ones are those values
+ * quantized (real codes and power-of-two scales). */
+static int mfill(fm_context *ctx, cudaStream_t s, fm_tensor *t)
+{
+    int64_t n = fm_tensor_numel(t);
+    if (t->scale_mode == FM_SCALE_NONE) {
+        fill_device(t->data, t->dtype, (size_t)n);
+        return 1;
+    }
+    fm_tensor src = fm_tensor_2d(dalloc(n * 2), FM_DTYPE_BF16, t->shape[0], t->shape[1]);
+    src.device = FM_DEVICE_CUDA;
+    fill_device(src.data, FM_DTYPE_BF16, (size_t)n);
+    fm_status st = fm_quantize(ctx, NULL, &src, t, NULL);
+    CK(cudaStreamSynchronize(s));
+    cudaFree(src.data);
+    if (st != FM_OK)
+        fprintf(stderr, "fm-bench: setup quantize: %s\n", fm_last_error(ctx));
+    return st == FM_OK;
+}
+
+static int routing_make(fm_context *ctx, cudaStream_t s, moe_routing *r)
+{
+    int64_t T = MB_T, E = MB_E, k = MB_K;
+    double w[MB_E];
+    for (int64_t e = 0; e < E; e++) { /* log-normal popularity: the busiest experts get a few times the average */
+        double u = ((double)(rnd() >> 11) + 0.5) / 9007199254740992.0, v = (double)(rnd() >> 11) / 9007199254740992.0;
+        w[e] = exp(0.5 * sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v));
+    }
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(T * k));
+    float *pr = malloc(sizeof(float) * (size_t)(T * k));
+    for (int64_t t = 0; t < T; t++) {
+        double left[MB_E], sum = 0, psum = 0;
+        memcpy(left, w, sizeof left);
+        for (int64_t e = 0; e < E; e++)
+            sum += left[e];
+        for (int64_t j = 0; j < k; j++) { /* k distinct experts, drawn by popularity without replacement */
+            double u = (double)(rnd() >> 11) / 9007199254740992.0 * sum;
+            int64_t e = 0;
+            while (e < E - 1 && (left[e] == 0 || u >= left[e])) {
+                u -= left[e];
+                e++;
+            }
+            while (left[e] == 0)
+                e--;
+            sum -= left[e];
+            left[e] = 0;
+            ids[t * k + j] = (int32_t)e;
+            pr[t * k + j] = (float)(0.05 + (double)(rnd() >> 11) / 9007199254740992.0);
+            psum += pr[t * k + j];
+        }
+        for (int64_t j = 0; j < k; j++)
+            pr[t * k + j] = (float)(pr[t * k + j] / psum);
+    }
+    r->R = T * k + E * (MB_PAD - 1);
+    r->ids = mdev(FM_DTYPE_I32, FM_SCALE_NONE, T, k, FM_LAYOUT_ROWWISE);
+    r->probs = mdev(FM_DTYPE_F32, FM_SCALE_NONE, T, k, FM_LAYOUT_ROWWISE);
+    CK(cudaMemcpy(r->ids.data, ids, sizeof(int32_t) * (size_t)(T * k), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(r->probs.data, pr, sizeof(float) * (size_t)(T * k), cudaMemcpyHostToDevice));
+    free(ids);
+    free(pr);
+    r->row_map = mdev(FM_DTYPE_I32, FM_SCALE_NONE, r->R, 1, FM_LAYOUT_ROWWISE);
+    r->slot_rows = mdev(FM_DTYPE_I32, FM_SCALE_NONE, T, k, FM_LAYOUT_ROWWISE);
+    r->splits = mdev(FM_DTYPE_I64, FM_SCALE_NONE, 1, E, FM_LAYOUT_ROWWISE);
+    r->out_probs = mdev(FM_DTYPE_F32, FM_SCALE_NONE, r->R, 1, FM_LAYOUT_ROWWISE);
+    /* The maps and ΣP_e come from one permute of a narrow x. */
+    fm_tensor x = mdev(FM_DTYPE_BF16, FM_SCALE_NONE, T, 32, FM_LAYOUT_ROWWISE);
+    fm_tensor o = mdev(FM_DTYPE_BF16, FM_SCALE_NONE, r->R, 32, FM_LAYOUT_ROWWISE);
+    int64_t hs[MB_E];
+    fm_permute_config pc = {MB_PAD};
+    fm_status st = fm_moe_permute(ctx, &pc, &x, &r->ids, &r->probs, &o, &r->row_map, &r->slot_rows, &r->splits,
+                                  &r->out_probs, hs);
+    CK(cudaStreamSynchronize(s));
+    cudaFree(x.data);
+    cudaFree(o.data);
+    if (st != FM_OK) {
+        fprintf(stderr, "fm-bench: setup permute: %s\n", fm_last_error(ctx));
+        return 0;
+    }
+    r->M = 0;
+    int64_t lo = hs[0], hi = hs[0];
+    for (int64_t e = 0; e < E; e++) {
+        r->M += hs[e];
+        lo = hs[e] < lo ? hs[e] : lo;
+        hi = hs[e] > hi ? hs[e] : hi;
+    }
+    fprintf(stderr, "fm-bench: MoE routing: %lld padded rows (%lld routed), expert rows %lld..%lld\n",
+            (long long)r->M, (long long)(T * k), (long long)lo, (long long)hi);
+    r->pm = r->out_probs;
+    r->pm.shape[0] = r->M;
+    return 1;
+}
+
+static void routing_free(moe_routing *r)
+{
+    fm_tensor *ts[] = {&r->ids, &r->probs, &r->row_map, &r->slot_rows, &r->splits, &r->out_probs};
+    for (int i = 0; i < 6; i++)
+        free_t(ts[i]);
+}
+
+typedef struct mrun {
+    fm_context *ctx;
+    const mcase *c;
+    moe_routing *r;
+    fm_tensor a[2], b[2], o[2], oc[2], tmp[2], dp; /* inputs, outputs, the unfused BF16 intermediate, dprobs */
+    int failed;
+} mrun;
+
+static void mrun_fn(void *p, int rep)
+{
+    mrun *m = p;
+    moe_routing *r = m->r;
+    int k = rep & 1, col = m->c->col;
+    fm_permute_config pc = {MB_PAD};
+    fm_status st = FM_OK;
+    switch (m->c->op) {
+    case M_PERMUTE:
+        st = fm_moe_permute(m->ctx, &pc, &m->a[k], &r->ids, &r->probs, &m->o[k], &r->row_map, &r->slot_rows,
+                            &r->splits, &r->out_probs, NULL);
+        break;
+    case M_UNPERMUTE: st = fm_moe_unpermute(m->ctx, &m->a[k], &r->slot_rows, &r->probs, &m->o[k]); break;
+    case M_SWIGLU: st = fm_moe_swiglu(m->ctx, NULL, &m->a[k], &r->pm, &m->o[k], col ? &m->oc[k] : NULL, NULL); break;
+    case M_SWIGLU_UNFUSED:
+        st = fm_moe_swiglu(m->ctx, NULL, &m->a[k], &r->pm, &m->tmp[k], NULL, NULL);
+        if (st == FM_OK)
+            st = fm_quantize(m->ctx, NULL, &m->tmp[k], &m->o[k], NULL);
+        break;
+    case M_DSWIGLU:
+        st = fm_moe_swiglu_backward(m->ctx, NULL, &m->a[k], &m->b[k], &r->pm, &m->o[k], col ? &m->oc[k] : NULL, &m->dp);
+        break;
+    case M_DSWIGLU_UNFUSED:
+        st = fm_moe_swiglu_backward(m->ctx, NULL, &m->a[k], &m->b[k], &r->pm, &m->tmp[k], NULL, &m->dp);
+        if (st == FM_OK)
+            st = fm_quantize(m->ctx, NULL, &m->tmp[k], &m->o[k], NULL);
+        break;
+    }
+    if (st != FM_OK && !m->failed) {
+        fprintf(stderr, "fm-bench: %s: %s\n", m->c->name, fm_last_error(m->ctx));
+        m->failed = 1;
+    }
+}
+
+/* Fills out[] like the memory-bound cases (bytes from fm_stats: what the op
+ * reads and writes); returns the count, adds missed targets to *below. */
+static int bench_moe(fm_context *ctx, cudaStream_t s, const char *filter, double copy_gbs, result *out, int *below,
+                     double *swiglu_speedup, double *dswiglu_speedup)
+{
+    int n = 0, any = 0;
+    for (int ci = 0; ci < NMCASES; ci++)
+        any |= !filter || strstr(mcases[ci].name, filter) != NULL;
+    moe_routing r;
+    memset(&r, 0, sizeof r);
+    if (!any || !routing_make(ctx, s, &r))
+        return 0;
+    const fm_scale_mode q = FM_SCALE_BLOCK_1x128;
+    for (int ci = 0; ci < NMCASES; ci++) {
+        const mcase *c = &mcases[ci];
+        if (filter && !strstr(c->name, filter))
+            continue;
+        mrun m;
+        memset(&m, 0, sizeof m);
+        m.ctx = ctx;
+        m.c = c;
+        m.r = &r;
+        int ok = 1;
+        int64_t M = r.M, T = MB_T, H = MB_H, I = MB_I;
+        for (int k = 0; k < 2; k++) { /* two of everything, alternating: each well beyond L2 */
+            switch (c->op) {
+            case M_PERMUTE:
+                m.a[k] = mdev(c->in, q, T, H, FM_LAYOUT_ROWWISE);
+                m.o[k] = mdev(c->in, q, r.R, H, FM_LAYOUT_ROWWISE);
+                break;
+            case M_UNPERMUTE:
+                m.a[k] = mdev(c->in, FM_SCALE_NONE, M, H, FM_LAYOUT_ROWWISE);
+                m.o[k] = mdev(c->out, FM_SCALE_NONE, T, H, FM_LAYOUT_ROWWISE);
+                break;
+            case M_SWIGLU:
+            case M_SWIGLU_UNFUSED:
+                m.a[k] = mdev(c->in, FM_SCALE_NONE, M, 2 * I, FM_LAYOUT_ROWWISE);
+                m.o[k] = mdev(c->out, q, M, I, FM_LAYOUT_ROWWISE);
+                if (c->col)
+                    m.oc[k] = mdev(c->out, q, M, I, FM_LAYOUT_COLWISE);
+                if (c->op == M_SWIGLU_UNFUSED)
+                    m.tmp[k] = mdev(FM_DTYPE_BF16, FM_SCALE_NONE, M, I, FM_LAYOUT_ROWWISE);
+                break;
+            case M_DSWIGLU:
+            case M_DSWIGLU_UNFUSED:
+                m.a[k] = mdev(c->in, FM_SCALE_NONE, M, I, FM_LAYOUT_ROWWISE);
+                m.b[k] = mdev(FM_DTYPE_E4M3, q, M, 2 * I, FM_LAYOUT_ROWWISE);
+                m.o[k] = mdev(c->out, q, M, 2 * I, FM_LAYOUT_ROWWISE);
+                if (c->col)
+                    m.oc[k] = mdev(c->out, q, M, 2 * I, FM_LAYOUT_COLWISE);
+                if (c->op == M_DSWIGLU_UNFUSED)
+                    m.tmp[k] = mdev(FM_DTYPE_BF16, FM_SCALE_NONE, M, 2 * I, FM_LAYOUT_ROWWISE);
+                ok &= mfill(ctx, s, &m.b[k]);
+                break;
+            }
+            ok &= mfill(ctx, s, &m.a[k]);
+        }
+        m.dp = mdev(FM_DTYPE_F32, FM_SCALE_NONE, M, 1, FM_LAYOUT_ROWWISE);
+        m.failed = !ok;
+        fm_stats s0, s1;
+        fm_stats_get(ctx, &s0);
+        mrun_fn(&m, 0);
+        fm_stats_get(ctx, &s1);
+        CK(cudaStreamSynchronize(s));
+        double bytes = (double)(s1.bytes_read - s0.bytes_read + s1.bytes_written - s0.bytes_written);
+        float ms = m.failed ? 0.0f : time_median(mrun_fn, &m, s);
+        CK(cudaGetLastError());
+        result *rs = &out[n++];
+        rs->name = c->name;
+        if (c->op == M_PERMUTE || c->op == M_UNPERMUTE)
+            snprintf(rs->shape, sizeof rs->shape, "T%d H%d E%d k%d, %lld rows", MB_T, MB_H, MB_E, MB_K, (long long)M);
+        else
+            snprintf(rs->shape, sizeof rs->shape, "%lldx%lld", (long long)M, (long long)(2 * I));
+        rs->bytes = bytes;
+        rs->ms = ms;
+        rs->gbs = ms > 0 ? bytes / (ms * 1e-3) / 1e9 : 0;
+        rs->frac = rs->gbs / copy_gbs;
+        rs->target = c->target;
+        rs->ok = !m.failed;
+        if (c->target > 0 && (rs->frac < c->target || !rs->ok))
+            (*below)++;
+        fprintf(stderr, "fm-bench: %-60s %8.1f us\n", c->name, ms * 1e3);
+        for (int k = 0; k < 2; k++) {
+            free_t(&m.a[k]);
+            free_t(&m.b[k]);
+            free_t(&m.o[k]);
+            free_t(&m.oc[k]);
+            free_t(&m.tmp[k]);
+        }
+        free_t(&m.dp);
+    }
+    routing_free(&r);
+    /* Fused over unfused, each pair measured above. */
+    const result *f = NULL, *u = NULL, *bf = NULL, *bu = NULL;
+    for (int i = 0; i < n; i++) {
+        if (!strcmp(out[i].name, mcases[3].name))
+            f = &out[i];
+        if (!strcmp(out[i].name, mcases[5].name))
+            u = &out[i];
+        if (!strcmp(out[i].name, mcases[6].name))
+            bf = &out[i];
+        if (!strcmp(out[i].name, mcases[8].name))
+            bu = &out[i];
+    }
+    if (f && u && f->ok && u->ok && f->ms > 0)
+        *swiglu_speedup = u->ms / f->ms;
+    if (bf && bu && bf->ok && bu->ok && bf->ms > 0)
+        *dswiglu_speedup = bu->ms / bf->ms;
+    return n;
+}
+
+/* ---- the whole layer, forward + backward, per recipe ------------------------- */
+
+#define LB_T 4096
+#define LB_H 7168
+#define LB_I 2048
+#define LB_E 8
+#define LB_K 8
+
+typedef struct lresult {
+    fm_recipe recipe;
+    double ms, ratio; /* ms per forward + backward; ratio to the bf16 recipe */
+    int64_t workspace;
+    int ok;
+} lresult;
+
+typedef struct lrun {
+    fm_context *ctx;
+    fm_moe_layer *layer;
+    fm_moe_weights w;
+    fm_tensor x, y, dy, dx;
+    const char *name;
+    int failed;
+} lrun;
+
+static void lrun_fn(void *p, int rep)
+{
+    lrun *l = p;
+    (void)rep;
+    fm_status st = fm_moe_layer_forward(l->layer, &l->w, &l->x, &l->y);
+    if (st == FM_OK)
+        st = fm_moe_layer_backward(l->layer, &l->w, &l->x, &l->dy, &l->dx);
+    if (st != FM_OK && !l->failed) {
+        fprintf(stderr, "fm-bench: %s: %s\n", l->name, fm_last_error(l->ctx));
+        l->failed = 1;
+    }
+}
+
+/* N(0, sd) F32 on the device: weights at an initialisation's scale. */
+static void fill_normal_f32(float *d, int64_t n, float sd)
+{
+    size_t chunk = (size_t)1 << 22;
+    float *h = malloc(chunk * sizeof(float));
+    for (size_t i = 0; i < chunk; i++) {
+        double u = ((double)(rnd() >> 11) + 0.5) / 9007199254740992.0, v = (double)(rnd() >> 11) / 9007199254740992.0;
+        h[i] = (float)(sd * sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v));
+    }
+    for (int64_t off = 0; off < n; off += (int64_t)chunk) {
+        size_t m = (size_t)(n - off) < chunk ? (size_t)(n - off) : chunk;
+        CK(cudaMemcpy(d + off, h, m * sizeof(float), cudaMemcpyHostToDevice));
+    }
+    free(h);
+}
+
+static int bench_layer(fm_context *ctx, cudaStream_t s, const char *filter, lresult *out)
+{
+    static const char *names[FM_RECIPE_COUNT] = {"moe_layer forward+backward bf16", "moe_layer forward+backward fp8-blockwise",
+                                                 "moe_layer forward+backward fp8-flow", "moe_layer forward+backward fp8-flow-fp4"};
+    int any = 0;
+    for (int r = 0; r < FM_RECIPE_COUNT; r++)
+        any |= !filter || strstr(names[r], filter) != NULL;
+    if (!any)
+        return 0;
+    lrun l;
+    memset(&l, 0, sizeof l);
+    l.ctx = ctx;
+    int64_t nr = (int64_t)LB_E * LB_H, n1 = (int64_t)LB_E * 2 * LB_I * LB_H, n2 = (int64_t)LB_E * LB_H * LB_I;
+    float **ws[6] = {&l.w.router, &l.w.w1, &l.w.w2, &l.w.grad_router, &l.w.grad_w1, &l.w.grad_w2};
+    int64_t wn[6] = {nr, n1, n2, nr, n1, n2};
+    for (int i = 0; i < 6; i++) {
+        *ws[i] = dalloc(wn[i] * 4);
+        if (i < 3)
+            fill_normal_f32(*ws[i], wn[i], (float)(1.0 / sqrt(i == 2 ? LB_I : LB_H)));
+        else
+            CK(cudaMemset(*ws[i], 0, (size_t)wn[i] * 4));
+    }
+    fm_tensor *io[4] = {&l.x, &l.y, &l.dy, &l.dx};
+    for (int i = 0; i < 4; i++) {
+        *io[i] = fm_tensor_2d(dalloc((int64_t)LB_T * LB_H * 4), FM_DTYPE_F32, LB_T, LB_H);
+        io[i]->device = FM_DEVICE_CUDA;
+    }
+    fill_device(l.x.data, FM_DTYPE_F32, (size_t)LB_T * LB_H);
+    fill_device(l.dy.data, FM_DTYPE_F32, (size_t)LB_T * LB_H);
+    int n = 0;
+    double bf16_ms = 0;
+    for (int r = 0; r < FM_RECIPE_COUNT; r++) {
+        if (filter && !strstr(names[r], filter))
+            continue;
+        fm_moe_layer_config cfg = {.hidden = LB_H, .ffn = LB_I, .experts = LB_E, .topk = LB_K,
+                                   .score = FM_ROUTER_SOFTMAX, .renormalize = 1, .recipe = (fm_recipe)r,
+                                   .max_tokens = LB_T};
+        lresult *o = &out[n++];
+        memset(o, 0, sizeof *o);
+        o->recipe = (fm_recipe)r;
+        l.layer = NULL;
+        l.name = names[r];
+        l.failed = 0;
+        if (fm_moe_layer_create(ctx, &cfg, &l.layer) != FM_OK || fm_moe_layer_refresh_weights(l.layer, &l.w) != FM_OK) {
+            fprintf(stderr, "fm-bench: %s: %s\n", names[r], fm_last_error(ctx));
+            l.failed = 1;
+        }
+        CK(cudaStreamSynchronize(s));
+        float ms = l.failed ? 0.0f : time_median(lrun_fn, &l, s);
+        CK(cudaGetLastError());
+        fm_moe_layer_info info;
+        if (l.layer && fm_moe_layer_get_info(l.layer, &info) == FM_OK)
+            o->workspace = info.workspace_bytes;
+        o->ms = ms;
+        o->ok = !l.failed;
+        if (r == FM_RECIPE_BF16 && o->ok)
+            bf16_ms = ms;
+        o->ratio = bf16_ms > 0 && o->ok ? ms / bf16_ms : 0;
+        fprintf(stderr, "fm-bench: %-60s %8.2f ms\n", names[r], ms);
+        if (l.layer)
+            fm_moe_layer_destroy(l.layer);
+    }
+    for (int i = 0; i < 6; i++)
+        cudaFree(*ws[i]);
+    for (int i = 0; i < 4; i++)
+        cudaFree(io[i]->data);
+    return n;
+}
+
 int main(int argc, char **argv)
 {
-    int json = 0;
+    int json = 0, layer = 1;
     const char *filter = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--json"))
@@ -501,8 +940,10 @@ int main(int argc, char **argv)
             reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--filter") && i + 1 < argc)
             filter = argv[++i];
+        else if (!strcmp(argv[i], "--no-layer"))
+            layer = 0;
         else {
-            fprintf(stderr, "usage: fm-bench [--json] [--reps N] [--filter SUBSTRING]\n");
+            fprintf(stderr, "usage: fm-bench [--json] [--reps N] [--filter SUBSTRING] [--no-layer]\n");
             return 2;
         }
     }
@@ -540,7 +981,7 @@ int main(int argc, char **argv)
     cudaFree(ca.src[0]);
     cudaFree(ca.src[1]);
 
-    result res[NCASES];
+    result res[NCASES + NMCASES];
     int nres = 0, below = 0;
     for (int ci = 0; ci < NCASES; ci++) {
         const bcase *c = &cases[ci];
@@ -643,8 +1084,14 @@ int main(int argc, char **argv)
         }
     }
 
+    double swiglu_speedup = 0, dswiglu_speedup = 0;
+    nres += bench_moe(ctx, s, filter, copy_gbs, res + nres, &below, &swiglu_speedup, &dswiglu_speedup);
+
     gresult gres[NGCASES];
     int ngres = bench_gemms(ctx, s, filter, gres);
+
+    lresult lres[FM_RECIPE_COUNT];
+    int nlres = layer ? bench_layer(ctx, s, filter, lres) : 0;
 
     /* The scaling-aware transpose against the BF16 round trip it replaces. */
     double speedup = 0;
@@ -669,6 +1116,10 @@ int main(int argc, char **argv)
                prop.name, prop.multiProcessorCount, prop.l2CacheSize, drv, rt, date, reps, copy_gbs);
         if (speedup > 0)
             printf("  \"transpose_scaled_speedup_vs_bf16_round_trip\": %.3f,\n", speedup);
+        if (swiglu_speedup > 0)
+            printf("  \"moe_swiglu_speedup_vs_unfused\": %.3f,\n", swiglu_speedup);
+        if (dswiglu_speedup > 0)
+            printf("  \"moe_swiglu_backward_speedup_vs_unfused\": %.3f,\n", dswiglu_speedup);
         printf("  \"cases\": [\n");
         for (int i = 0; i < nres; i++) {
             result *r = &res[i];
@@ -682,6 +1133,12 @@ int main(int argc, char **argv)
             printf("    {\"name\": \"%s\", \"shape\": \"%s\", \"median_us\": %.2f, \"tflops\": %.1f, \"ok\": %s}%s\n",
                    gres[i].name, gres[i].shape, gres[i].ms * 1e3, gres[i].tflops, gres[i].ok ? "true" : "false",
                    i + 1 < ngres ? "," : "");
+        printf("  ],\n  \"layer_cases\": [\n");
+        for (int i = 0; i < nlres; i++)
+            printf("    {\"recipe\": \"%s\", \"T\": %d, \"H\": %d, \"I\": %d, \"E\": %d, \"k\": %d, "
+                   "\"ms_per_step\": %.3f, \"ratio_to_bf16\": %.3f, \"workspace_bytes\": %lld, \"ok\": %s}%s\n",
+                   fm_recipe_name(lres[i].recipe), LB_T, LB_H, LB_I, LB_E, LB_K, lres[i].ms, lres[i].ratio,
+                   (long long)lres[i].workspace, lres[i].ok ? "true" : "false", i + 1 < nlres ? "," : "");
         printf("  ]\n}\n");
     } else {
         printf("## fm-bench on %s (%d SMs, L2 %d MiB), %s\n\n", prop.name, prop.multiProcessorCount,
@@ -702,11 +1159,27 @@ int main(int argc, char **argv)
             printf("\nScaling-aware transpose (E4M3 1x128 row->col) vs the naive BF16 round trip (dequantize, then "
                    "quantize column-wise): **%.2fx** faster\n",
                    speedup);
+        if (swiglu_speedup > 0)
+            printf("\nFused SwiGLU + quantize vs the unfused library ops (fm_moe_swiglu to BF16, then fm_quantize): "
+                   "**%.2fx** faster\n",
+                   swiglu_speedup);
+        if (dswiglu_speedup > 0)
+            printf("\nFused dSwiGLU + quantize vs the unfused library ops (fm_moe_swiglu_backward to BF16, then "
+                   "fm_quantize): **%.2fx** faster\n",
+                   dswiglu_speedup);
         if (ngres) {
             printf("\n| GEMM | shape | median us | TFLOP/s |\n|---|---|---:|---:|\n");
             for (int i = 0; i < ngres; i++)
                 printf("| %s%s | %s | %.1f | %.1f |\n", gres[i].name, gres[i].ok ? "" : " (ERROR)", gres[i].shape,
                        gres[i].ms * 1e3, gres[i].tflops);
+        }
+        if (nlres) {
+            printf("\n| MoE layer forward + backward (T %d, H %d, I %d, E %d, k %d) | ms per step | vs bf16 | "
+                   "workspace GB |\n|---|---:|---:|---:|\n",
+                   LB_T, LB_H, LB_I, LB_E, LB_K);
+            for (int i = 0; i < nlres; i++)
+                printf("| %s%s | %.2f | %.2fx | %.2f |\n", fm_recipe_name(lres[i].recipe), lres[i].ok ? "" : " (ERROR)",
+                       lres[i].ms, lres[i].ratio, (double)lres[i].workspace / 1e9);
         }
         printf("\n%d target(s) missed\n", below);
     }

@@ -1306,6 +1306,598 @@ static void xv_grouped_gemm_wgrad(xv_env *x, xv_counts *cnt)
         }
 }
 
+/* ---- MoE ops: router, permute, unpermute, SwiGLU ----------------------------
+ * Exact by contract, so every output (codes, scales, maps, splits, the
+ * probabilities, amax and the nonfinite count) is compared bit for bit. Inputs
+ * are fresh random data of several kinds (unit-range values, the nasty kinds
+ * above, NaN / Inf / tied router logits), routings random, skewed (empty
+ * experts) and all-to-one-expert; every output starts poisoned differently on
+ * each side. */
+
+enum { MT_UNIT = RQ_KINDS }; /* uniform in [-2, 2]: the values activations have */
+
+static void mt_fill(xv_env *x, void *h, fm_dtype t, int64_t n, int kind)
+{
+    if (kind != MT_UNIT) {
+        gen_input(x, h, t, 1, n, 1, kind);
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        float v = (float)(rndu(x) * 4 - 2);
+        if (t == FM_DTYPE_F32)
+            ((float *)h)[i] = v;
+        else
+            ((uint16_t *)h)[i] = fm_bf16_from_f32(v);
+    }
+}
+
+static fm_tensor mt_desc(fm_dtype t, fm_scale_mode m, int64_t rows, int64_t cols, fm_layout lay)
+{
+    if (m == FM_SCALE_NONE)
+        return fm_tensor_2d(NULL, t, rows, cols);
+    return fm_tensor_quant_2d(NULL, t, rows, cols, lay, m, NULL, FM_SCALE_LAYOUT_COMPACT);
+}
+
+/* A tensor of any descriptor on both sides. kind < 0: an output, poisoned.
+ * Otherwise an input with the same bytes on both sides: unscaled F32/BF16
+ * values of that kind, index tensors random bytes (overwritten by the caller),
+ * and quantized rows either fm_quantize'd on the CPU from values of that kind
+ * or, for RQ_SCRAMBLED, random codes and scale bytes (for the ops that move
+ * them without decoding). */
+static int mt_make(xv_env *x, xv_qout *o, fm_tensor proto, int kind)
+{
+    memset(o, 0, sizeof *o);
+    o->th = proto;
+    o->th.device = FM_DEVICE_HOST;
+    int64_t nb = fm_tensor_nbytes(&proto), ns = proto.scale_mode ? fm_tensor_scale_nbytes(&proto) : 0;
+    if (nb < 0 || ns < 0 || !buf_alloc(x, &o->data, (size_t)nb) || !buf_alloc(x, &o->scale, (size_t)ns) ||
+        !buf_poison(x, &o->data) || !buf_poison(x, &o->scale))
+        return 0;
+    o->th.data = o->data.h;
+    o->th.scale = proto.scale_mode ? o->scale.h : NULL;
+    o->td = o->th;
+    o->td.device = FM_DEVICE_CUDA;
+    o->td.data = o->data.d;
+    o->td.scale = proto.scale_mode ? o->scale.d : NULL;
+    if (kind < 0)
+        return 1;
+    int64_t n = fm_tensor_numel(&proto);
+    if (proto.scale_mode && kind != RQ_SCRAMBLED) {
+        fm_dtype st = rnd(x) & 1 ? FM_DTYPE_F32 : FM_DTYPE_BF16;
+        void *src = malloc((size_t)(n > 0 ? n : 1) * (size_t)dtype_bytes(st));
+        if (!src)
+            return 0;
+        mt_fill(x, src, st, n, kind);
+        fm_tensor sh = fm_tensor_2d(src, st, proto.shape[0], proto.shape[1]);
+        fm_status s = fm_quantize(x->cpu, NULL, &sh, &o->th, NULL);
+        free(src);
+        if (s != FM_OK)
+            return 0;
+    } else if (!proto.scale_mode && kind != RQ_SCRAMBLED && (proto.dtype == FM_DTYPE_F32 || proto.dtype == FM_DTYPE_BF16)) {
+        mt_fill(x, o->data.h, proto.dtype, n, kind);
+    } else {
+        for (size_t i = 0; i < o->data.n; i++)
+            ((uint8_t *)o->data.h)[i] = (uint8_t)rnd(x);
+        for (size_t i = 0; i < o->scale.n; i++)
+            ((uint8_t *)o->scale.h)[i] = (uint8_t)rnd(x);
+    }
+    return buf_upload(x, &o->data) && buf_upload(x, &o->scale);
+}
+
+static int mt_same(xv_env *x, const xv_qout *o, const char *what, const char *name)
+{
+    char sw[96];
+    snprintf(sw, sizeof sw, "%s scales", what);
+    return buf_same(x, &o->data, what, name) & buf_same(x, &o->scale, sw, name);
+}
+
+/* Both backends ran: synchronise, then status_verdict (-1: compare outputs). */
+static int mt_verdict(xv_env *x, const char *name, fm_status stc, fm_status stg)
+{
+    if (stg == FM_OK && !cuda_ok(x, cudaDeviceSynchronize(), name))
+        stg = FM_ERR_BACKEND;
+    return status_verdict(x, name, stc, fm_last_error(x->cpu), stg);
+}
+
+#define MT_H(o, on) ((on) ? &(o).th : NULL)
+#define MT_D(o, on) ((on) ? &(o).td : NULL)
+
+/* ---- op: moe_router, moe_router_backward ------------------------------------ */
+
+/* Logits [T, E]; with `nasty`, tokens of ties (a few repeated values, or all
+ * equal), NaN, +-Inf (several +Inf: tied too) and huge magnitudes. */
+static void rt_logits(xv_env *x, float *l, int64_t T, int64_t E, int nasty)
+{
+    static const float tie[] = {-1.0f, 0.5f, 2.0f};
+    for (int64_t t = 0; t < T; t++) {
+        float *r = l + t * E;
+        int m = nasty ? rndi(x, 0, 7) : 0;
+        for (int64_t e = 0; e < E; e++)
+            r[e] = m == 1 ? tie[rnd(x) % 3] : m == 2 ? 0.75f : m == 3 ? (float)((rndu(x) * 2 - 1) * 1e30)
+                                                               : (float)((rndu(x) * 2 - 1) * 4);
+        int64_t e = rndi(x, 0, (int)E - 1);
+        if (m == 4)
+            r[e] = NAN;
+        else if (m == 5)
+            r[e] = r[rndi(x, 0, (int)E - 1)] = INFINITY;
+        else if (m == 6)
+            r[e] = -INFINITY;
+        else if (m == 7)
+            for (int64_t j = 0; j < E; j++)
+                r[j] = j % 2 ? -INFINITY : r[j];
+    }
+}
+
+/* bwd: the backward, fed the CPU forward's ids (so it is checked on its own). */
+static int rt_case(xv_env *x, int bwd, const fm_router_config *rc, int with_bias, int64_t T, int64_t E, int nasty,
+                   int want_count, const char *name)
+{
+    int res = 1, k = rc->topk;
+    xv_qout lg, ids, pr, cnt, dp, dl;
+    xv_qout *all[] = {&lg, &ids, &pr, &cnt, &dp, &dl};
+    for (int i = 0; i < 6; i++)
+        memset(all[i], 0, sizeof *all[i]);
+    xv_buf bias = {0};
+    if (!mt_make(x, &lg, fm_tensor_2d(NULL, FM_DTYPE_F32, T, E), -1) ||
+        !mt_make(x, &ids, fm_tensor_2d(NULL, FM_DTYPE_I32, T, k), -1) ||
+        !mt_make(x, &pr, fm_tensor_2d(NULL, FM_DTYPE_F32, T, k), -1) ||
+        !mt_make(x, &cnt, fm_tensor_2d(NULL, FM_DTYPE_I64, 1, E), -1) || !buf_alloc(x, &bias, (size_t)E * 4))
+        goto done;
+    rt_logits(x, lg.data.h, T, E, nasty);
+    /* Half the biases on a coarse grid, so that s + bias ties too. */
+    int coarse = rnd(x) & 1;
+    for (int64_t e = 0; e < E; e++)
+        ((float *)bias.h)[e] = coarse ? 0.25f * (float)rndi(x, -2, 2) : (float)((rndu(x) * 2 - 1) * 0.5);
+    if (!buf_upload(x, &lg.data) || !buf_upload(x, &bias))
+        goto done;
+    fm_router_config ch = *rc, cd = *rc;
+    if (with_bias) {
+        ch.bias = bias.h;
+        cd.bias = bias.d;
+    }
+    fm_status stc, stg;
+    if (!bwd) {
+        stc = fm_moe_router(x->cpu, &ch, &lg.th, &ids.th, &pr.th, MT_H(cnt, want_count));
+        stg = fm_moe_router(x->gpu, &cd, &lg.td, &ids.td, &pr.td, MT_D(cnt, want_count));
+        if ((res = mt_verdict(x, name, stc, stg)) >= 0)
+            goto done;
+        res = (buf_same(x, &ids.data, "expert_ids", name) & buf_same(x, &pr.data, "probs", name) &
+               (want_count ? buf_same(x, &cnt.data, "tokens_per_expert", name) : 1))
+                  ? 0
+                  : 1;
+        goto done;
+    }
+    if (fm_moe_router(x->cpu, &ch, &lg.th, &ids.th, &pr.th, NULL) != FM_OK || !buf_upload(x, &ids.data) ||
+        !mt_make(x, &dp, fm_tensor_2d(NULL, FM_DTYPE_F32, T, k), nasty && (rnd(x) & 1) ? K_NONFINITE : MT_UNIT) ||
+        !mt_make(x, &dl, fm_tensor_2d(NULL, FM_DTYPE_F32, T, E), -1))
+        goto done;
+    stc = fm_moe_router_backward(x->cpu, &ch, &lg.th, &ids.th, &dp.th, &dl.th);
+    stg = fm_moe_router_backward(x->gpu, &cd, &lg.td, &ids.td, &dp.td, &dl.td);
+    if ((res = mt_verdict(x, name, stc, stg)) >= 0)
+        goto done;
+    res = buf_same(x, &dl.data, "dlogits", name) ? 0 : 1;
+done:
+    for (int i = 0; i < 6; i++)
+        qout_free(all[i]);
+    buf_free(&bias);
+    return res;
+}
+
+static void rt_run(xv_env *x, xv_counts *cnt, int bwd)
+{
+    static const int64_t Es[] = {4, 7, 16, 33, 64};
+    static const int ks[] = {1, 2, 8};
+    const int64_t Ts[] = {1, 77, x->quick ? 300 : 3000};
+    long serial = 0;
+    for (int sc = 0; sc < 2; sc++)
+        for (int bi = 0; bi < 2; bi++)
+            for (int rn = 0; rn < 2; rn++)
+                for (int ki = 0; ki < 3; ki++)
+                    for (int ei = 0; ei < 5; ei++)
+                        for (int ti = 0; ti < 3 && !x->cuda_broken; ti++) {
+                            if (ks[ki] > Es[ei])
+                                continue;
+                            serial++;
+                            if (x->quick && serial % 7)
+                                continue;
+                            fm_router_config rc = {ks[ki], sc ? FM_ROUTER_SIGMOID : FM_ROUTER_SOFTMAX, rn, NULL};
+                            int nasty = serial % 3 != 0, want_count = serial % 4 != 0;
+                            char name[200];
+                            snprintf(name, sizeof name, "moe_router%s %s%s%s k=%d E=%lld T=%lld%s%s",
+                                     bwd ? "_backward" : "", sc ? "sigmoid" : "softmax", bi ? " bias" : "",
+                                     rn ? " renormalize" : "", ks[ki], (long long)Es[ei], (long long)Ts[ti],
+                                     nasty ? " nasty" : "", !bwd && want_count ? " tokens_per_expert" : "");
+                            tally(x, cnt, rt_case(x, bwd, &rc, bi, Ts[ti], Es[ei], nasty, want_count, name), name);
+                        }
+}
+
+static void xv_moe_router(xv_env *x, xv_counts *cnt) { rt_run(x, cnt, 0); }
+static void xv_moe_router_backward(xv_env *x, xv_counts *cnt) { rt_run(x, cnt, 1); }
+
+/* ---- routings and the row maps built from them ------------------------------ */
+
+enum { ROUTE_RANDOM, ROUTE_SKEWED, ROUTE_ONE, ROUTE_COUNT };
+static const char *route_name[ROUTE_COUNT] = {"random", "skewed", "one-expert"};
+
+/* ids [T, k]: k distinct experts per token (RANDOM), distinct among the first
+ * third of the experts (SKEWED: the others stay empty), or every slot to one
+ * expert (ONE). */
+static void mt_routing(xv_env *x, int32_t *ids, int64_t T, int64_t E, int64_t k, int route)
+{
+    int64_t pool = route == ROUTE_SKEWED ? (E / 3 > k ? E / 3 : k) : E, one = rndi(x, 0, (int)E - 1);
+    int32_t perm[64];
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t e = 0; e < pool; e++)
+            perm[e] = (int32_t)e;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t p = j + (int64_t)(rnd(x) % (uint64_t)(pool - j));
+            int32_t v = perm[p];
+            perm[p] = perm[j];
+            perm[j] = v;
+            ids[t * k + j] = route == ROUTE_ONE ? (int32_t)one : v;
+        }
+    }
+}
+
+typedef struct mt_shape {
+    int64_t T, E, k, H;
+    int large;
+} mt_shape;
+
+static const mt_shape mt_shapes[] = {
+    {1, 4, 1, 128, 0}, {37, 8, 2, 300, 0}, {129, 32, 8, 256, 0}, {5, 64, 8, 64, 0}, {1000, 64, 8, 512, 1},
+};
+#define MT_NSHAPES (int)(sizeof mt_shapes / sizeof mt_shapes[0])
+
+/* The maps of a routing, on both sides: the CPU permute of a small F32 x
+ * gives row_map [R, 1] and slot_rows [T, k] (R = T·k + E·(pad - 1)). */
+static int mt_maps(xv_env *x, const xv_qout *ids, int64_t E, int pad, xv_qout *rm, xv_qout *sr)
+{
+    int64_t T = ids->th.shape[0], k = ids->th.shape[1], R = T * k + E * (pad > 1 ? pad - 1 : 0);
+    xv_qout xs, out, sp;
+    memset(&xs, 0, sizeof xs);
+    memset(&out, 0, sizeof out);
+    memset(&sp, 0, sizeof sp);
+    int ok = mt_make(x, &xs, fm_tensor_2d(NULL, FM_DTYPE_F32, T, 2), MT_UNIT) &&
+             mt_make(x, &out, fm_tensor_2d(NULL, FM_DTYPE_F32, R, 2), -1) &&
+             mt_make(x, &sp, fm_tensor_2d(NULL, FM_DTYPE_I64, 1, E), -1) &&
+             mt_make(x, rm, fm_tensor_2d(NULL, FM_DTYPE_I32, R, 1), -1) &&
+             mt_make(x, sr, fm_tensor_2d(NULL, FM_DTYPE_I32, T, k), -1);
+    fm_permute_config pc = {pad};
+    ok = ok && fm_moe_permute(x->cpu, &pc, &xs.th, &ids->th, NULL, &out.th, &rm->th, &sr->th, &sp.th, NULL, NULL) == FM_OK &&
+         buf_upload(x, &rm->data) && buf_upload(x, &sr->data);
+    qout_free(&xs);
+    qout_free(&out);
+    qout_free(&sp);
+    return ok;
+}
+
+/* ---- op: moe_permute ------------------------------------------------------ */
+
+static const struct {
+    fm_dtype t;
+    fm_scale_mode m;
+} mt_fmts[] = {
+    {FM_DTYPE_BF16, FM_SCALE_NONE}, {FM_DTYPE_F32, FM_SCALE_NONE}, {FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128},
+    {FM_DTYPE_E5M2, FM_SCALE_MX32}, {FM_DTYPE_E2M1, FM_SCALE_MX32},
+};
+
+/* rows: 0 the bound T·k + E·(pad - 1), 1 the bound + 3, 2 exactly Σ P_e. */
+static int pm_case(xv_env *x, const mt_shape *s, int fi, int pad, int route, int rows, int with_probs, int with_op,
+                   int with_hs, const char *name)
+{
+    int res = 1;
+    int64_t T = s->T, E = s->E, k = s->k, H = s->H, p = pad > 1 ? pad : 1;
+    xv_qout xs, ids, pr, out, rm, sr, sp, op;
+    xv_qout *all[] = {&xs, &ids, &pr, &out, &rm, &sr, &sp, &op};
+    for (int i = 0; i < 8; i++)
+        memset(all[i], 0, sizeof *all[i]);
+    int64_t hs[2][64];
+    memset(hs[0], 0x5A, sizeof hs[0]);
+    memset(hs[1], 0xA5, sizeof hs[1]);
+    if (!mt_make(x, &xs, mt_desc(mt_fmts[fi].t, mt_fmts[fi].m, T, H, FM_LAYOUT_ROWWISE), RQ_SCRAMBLED) ||
+        !mt_make(x, &ids, fm_tensor_2d(NULL, FM_DTYPE_I32, T, k), 0) ||
+        !mt_make(x, &pr, fm_tensor_2d(NULL, FM_DTYPE_F32, T, k), MT_UNIT))
+        goto done;
+    mt_routing(x, ids.data.h, T, E, k, route);
+    int64_t R = T * k + E * (p - 1) + (rows == 1 ? 3 : 0), cnt[64] = {0};
+    if (rows == 2) {
+        for (int64_t i = 0; i < T * k; i++)
+            cnt[((int32_t *)ids.data.h)[i]]++;
+        R = 0;
+        for (int64_t e = 0; e < E; e++)
+            R += fm_round_up(cnt[e], p);
+    }
+    if (!buf_upload(x, &ids.data) || !mt_make(x, &out, mt_desc(xs.th.dtype, xs.th.scale_mode, R, H, FM_LAYOUT_ROWWISE), -1) ||
+        !mt_make(x, &rm, fm_tensor_2d(NULL, FM_DTYPE_I32, R, 1), -1) ||
+        !mt_make(x, &sr, fm_tensor_2d(NULL, FM_DTYPE_I32, T, k), -1) ||
+        !mt_make(x, &sp, fm_tensor_2d(NULL, FM_DTYPE_I64, 1, E), -1) ||
+        !mt_make(x, &op, fm_tensor_2d(NULL, FM_DTYPE_F32, R, 1), -1))
+        goto done;
+    fm_permute_config pc = {pad};
+    fm_status stc = fm_moe_permute(x->cpu, &pc, &xs.th, &ids.th, MT_H(pr, with_probs), &out.th, &rm.th, &sr.th,
+                                   &sp.th, MT_H(op, with_op), with_hs ? hs[0] : NULL);
+    fm_status stg = fm_moe_permute(x->gpu, &pc, &xs.td, &ids.td, MT_D(pr, with_probs), &out.td, &rm.td, &sr.td,
+                                   &sp.td, MT_D(op, with_op), with_hs ? hs[1] : NULL);
+    if ((res = mt_verdict(x, name, stc, stg)) >= 0)
+        goto done;
+    int ok = mt_same(x, &out, "out", name) & buf_same(x, &rm.data, "row_map", name) &
+             buf_same(x, &sr.data, "slot_rows", name) & buf_same(x, &sp.data, "splits", name);
+    if (with_op)
+        ok &= buf_same(x, &op.data, "out_probs", name);
+    if (with_hs && (memcmp(hs[0], hs[1], (size_t)E * 8) || memcmp(hs[0], sp.data.h, (size_t)E * 8))) {
+        ok = 0;
+        if (x->printed++ < 20)
+            fprintf(stderr, "FAIL %s: host_splits differ (between the backends or from splits)\n", name);
+    }
+    res = ok ? 0 : 1;
+done:
+    for (int i = 0; i < 8; i++)
+        qout_free(all[i]);
+    return res;
+}
+
+static void xv_moe_permute(xv_env *x, xv_counts *cnt)
+{
+    static const int pads[] = {0, 1, 16, 128};
+    long serial = 0;
+    for (int si = 0; si < MT_NSHAPES; si++)
+        for (int fi = 0; fi < 5; fi++)
+            for (int pi = 0; pi < 4; pi++)
+                for (int route = 0; route < ROUTE_COUNT && !x->cuda_broken; route++) {
+                    const mt_shape *s = &mt_shapes[si];
+                    serial++;
+                    if ((x->quick && (s->large || serial % 4)) || (s->large && serial % 3))
+                        continue;
+                    int rows = (int)(serial % 3), with_probs = serial % 5 != 1, with_op = with_probs && serial % 5 != 2;
+                    int with_hs = (serial / 3) % 2;
+                    char name[240];
+                    snprintf(name, sizeof name,
+                             "moe_permute T=%lld E=%lld k=%lld H=%lld %s %s pad=%d %s R=%s%s%s%s", (long long)s->T,
+                             (long long)s->E, (long long)s->k, (long long)s->H, fm_dtype_name(mt_fmts[fi].t),
+                             fm_scale_mode_name(mt_fmts[fi].m), pads[pi], route_name[route],
+                             rows == 0 ? "bound" : rows == 1 ? "bound+3" : "exact", with_probs ? " probs" : "",
+                             with_op ? " out_probs" : "", with_hs ? " host_splits" : "");
+                    tally(x, cnt, pm_case(x, s, fi, pads[pi], route, rows, with_probs, with_op, with_hs, name), name);
+                }
+}
+
+/* ---- ops: moe_unpermute, moe_unpermute_backward ---------------------------- */
+
+/* bwd: 0 forward; 1 backward with dprobs; 2 backward, probs but no dprobs;
+ * 3 backward without probs (the backward of permute). */
+static int up_case(xv_env *x, const mt_shape *s, int pad, int route, fm_dtype yt, fm_dtype ot, int with_probs,
+                   int bwd, int kind, const char *name)
+{
+    int res = 1;
+    int64_t T = s->T, E = s->E, k = s->k, H = s->H, R = T * k + E * (pad > 1 ? pad - 1 : 0);
+    xv_qout ids, pr, rm, sr, y, o, dy, dpr;
+    xv_qout *all[] = {&ids, &pr, &rm, &sr, &y, &o, &dy, &dpr};
+    for (int i = 0; i < 8; i++)
+        memset(all[i], 0, sizeof *all[i]);
+    if (!mt_make(x, &ids, fm_tensor_2d(NULL, FM_DTYPE_I32, T, k), 0))
+        goto done;
+    mt_routing(x, ids.data.h, T, E, k, route);
+    if (!mt_maps(x, &ids, E, pad, &rm, &sr) || !mt_make(x, &pr, fm_tensor_2d(NULL, FM_DTYPE_F32, T, k), MT_UNIT) ||
+        !mt_make(x, &y, fm_tensor_2d(NULL, yt, R, H), kind))
+        goto done;
+    fm_status stc, stg;
+    if (!bwd) {
+        if (!mt_make(x, &o, fm_tensor_2d(NULL, ot, T, H), -1))
+            goto done;
+        stc = fm_moe_unpermute(x->cpu, &y.th, &sr.th, MT_H(pr, with_probs), &o.th);
+        stg = fm_moe_unpermute(x->gpu, &y.td, &sr.td, MT_D(pr, with_probs), &o.td);
+        if ((res = mt_verdict(x, name, stc, stg)) >= 0)
+            goto done;
+        res = buf_same(x, &o.data, "out", name) ? 0 : 1;
+        goto done;
+    }
+    int want_dp = bwd == 1;
+    if (!mt_make(x, &o, fm_tensor_2d(NULL, ot, T, H), kind) || !mt_make(x, &dy, fm_tensor_2d(NULL, yt, R, H), -1) ||
+        !mt_make(x, &dpr, fm_tensor_2d(NULL, FM_DTYPE_F32, T, k), -1))
+        goto done;
+    stc = fm_moe_unpermute_backward(x->cpu, &o.th, want_dp ? &y.th : NULL, &rm.th, &sr.th, MT_H(pr, bwd < 3), &dy.th,
+                                    MT_H(dpr, want_dp));
+    stg = fm_moe_unpermute_backward(x->gpu, &o.td, want_dp ? &y.td : NULL, &rm.td, &sr.td, MT_D(pr, bwd < 3), &dy.td,
+                                    MT_D(dpr, want_dp));
+    if ((res = mt_verdict(x, name, stc, stg)) >= 0)
+        goto done;
+    res = (buf_same(x, &dy.data, "dy", name) & (want_dp ? buf_same(x, &dpr.data, "dprobs", name) : 1)) ? 0 : 1;
+done:
+    for (int i = 0; i < 8; i++)
+        qout_free(all[i]);
+    return res;
+}
+
+static void up_run(xv_env *x, xv_counts *cnt, int bwd)
+{
+    static const int pads[] = {1, 16, 128};
+    static const fm_dtype dts[] = {FM_DTYPE_BF16, FM_DTYPE_F32};
+    long serial = 0;
+    for (int si = 0; si < MT_NSHAPES; si++)
+        for (int pi = 0; pi < 3; pi++)
+            for (int yi = 0; yi < 2; yi++)
+                for (int oi = 0; oi < 2; oi++)
+                    for (int v = 0; v < (bwd ? 3 : 2) && !x->cuda_broken; v++) {
+                        const mt_shape *s = &mt_shapes[si];
+                        serial++;
+                        if ((x->quick && (s->large || serial % 3)) || (s->large && serial % 3))
+                            continue;
+                        int route = (int)((serial / 3) % ROUTE_COUNT), kind = serial % 5 == 0 ? K_NONFINITE : MT_UNIT;
+                        int mode = bwd ? v + 1 : 0, with_probs = bwd ? v < 2 : v == 0;
+                        char name[240];
+                        snprintf(name, sizeof name, "moe_unpermute%s T=%lld E=%lld k=%lld H=%lld pad=%d %s y %s out %s%s%s%s",
+                                 bwd ? "_backward" : "", (long long)s->T, (long long)s->E, (long long)s->k,
+                                 (long long)s->H, pads[pi], route_name[route], fm_dtype_name(dts[yi]),
+                                 fm_dtype_name(dts[oi]), with_probs ? " probs" : "", mode == 1 ? " dprobs" : "",
+                                 kind == K_NONFINITE ? " nonfinite" : "");
+                        tally(x, cnt, up_case(x, s, pads[pi], route, dts[yi], dts[oi], with_probs, mode, kind, name),
+                              name);
+                    }
+}
+
+static void xv_moe_unpermute(xv_env *x, xv_counts *cnt) { up_run(x, cnt, 0); }
+static void xv_moe_unpermute_backward(xv_env *x, xv_counts *cnt) { up_run(x, cnt, 1); }
+
+/* ---- ops: moe_swiglu, moe_swiglu_backward ---------------------------------- */
+
+/* Row formats of the SwiGLU inputs and outputs; col: also a column-wise copy. */
+typedef struct sw_fmt {
+    fm_dtype t;
+    fm_scale_mode m;
+    int col;
+} sw_fmt;
+
+static const sw_fmt sw_ins[] = {
+    {FM_DTYPE_BF16, FM_SCALE_NONE, 0}, {FM_DTYPE_F32, FM_SCALE_NONE, 0},
+    {FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 0}, {FM_DTYPE_E2M1, FM_SCALE_MX32, 0},
+};
+static const sw_fmt sw_outs[] = {
+    {FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 0}, {FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 1},
+    {FM_DTYPE_E2M1, FM_SCALE_MX32, 0}, {FM_DTYPE_BF16, FM_SCALE_NONE, 0}, {FM_DTYPE_F32, FM_SCALE_NONE, 0},
+};
+/* in_saved of the forward: none, E4M3 1x128, E2M1 MX32. */
+static const sw_fmt sw_saved[] = {
+    {FM_DTYPE_COUNT, FM_SCALE_NONE, 0}, {FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 0}, {FM_DTYPE_E2M1, FM_SCALE_MX32, 0},
+};
+
+static const int64_t sw_shapes[][3] = {{1, 64, 0}, {37, 300, 0}, {128, 256, 0}, {130, 128, 0}, {600, 1024, 1}};
+#define SW_NSHAPES (int)(sizeof sw_shapes / sizeof sw_shapes[0])
+
+static void sw_fmt_name(const sw_fmt *f, char *b, size_t n)
+{
+    snprintf(b, n, "%s%s%s%s", fm_dtype_name(f->t), f->m ? " " : "", f->m ? fm_scale_mode_name(f->m) : "",
+             f->col ? " row+col" : "");
+}
+
+/* Forward (bwd = 0): in [M, 2I] -> out [M, I] (+ col, + in_saved). Backward:
+ * dh [M, I] of format `a`, in [M, 2I] of format `b` -> din [M, 2I] (+ col) and
+ * dprobs. `extra`: forward, the in_saved format; backward, 1 asks for dprobs. */
+static int sw_case(xv_env *x, int bwd, int64_t M, int64_t I, const sw_fmt *a, const sw_fmt *b, const sw_fmt *o,
+                   const sw_fmt *saved, int with_probs, int with_dprobs, int kind, int want_amax, const char *name)
+{
+    int res = 1;
+    xv_qout in, dh, pr, row, col, sv, dp;
+    xv_qout *all[] = {&in, &dh, &pr, &row, &col, &sv, &dp};
+    for (int i = 0; i < 7; i++)
+        memset(all[i], 0, sizeof *all[i]);
+    xv_buf amax = {0}, nonf = {0};
+    int64_t C = bwd ? 2 * I : I; /* the outputs' columns */
+    const sw_fmt *fi = bwd ? b : a;
+    int with_saved = !bwd && saved && saved->t != FM_DTYPE_COUNT;
+    if (!mt_make(x, &in, mt_desc(fi->t, fi->m, M, 2 * I, FM_LAYOUT_ROWWISE), kind) ||
+        (bwd && !mt_make(x, &dh, mt_desc(a->t, a->m, M, I, FM_LAYOUT_ROWWISE), rnd(x) % 4 ? MT_UNIT : kind)) ||
+        !mt_make(x, &pr, fm_tensor_2d(NULL, FM_DTYPE_F32, M, 1), MT_UNIT) ||
+        !mt_make(x, &row, mt_desc(o->t, o->m, M, C, FM_LAYOUT_ROWWISE), -1) ||
+        (o->col && !mt_make(x, &col, mt_desc(o->t, o->m, M, C, FM_LAYOUT_COLWISE), -1)) ||
+        (with_saved && !mt_make(x, &sv, mt_desc(saved->t, saved->m, M, 2 * I, FM_LAYOUT_ROWWISE), -1)) ||
+        !mt_make(x, &dp, fm_tensor_2d(NULL, FM_DTYPE_F32, M, 1), -1) || !buf_alloc(x, &amax, 4) ||
+        !buf_alloc(x, &nonf, 8) || !buf_poison(x, &amax) || !buf_poison(x, &nonf))
+        goto done;
+    fm_quant_config qh = {0}, qd = {0};
+    if (want_amax) {
+        qh.amax = amax.h;
+        qh.nonfinite_blocks = nonf.h;
+        qd.amax = amax.d;
+        qd.nonfinite_blocks = nonf.d;
+    }
+    fm_status stc, stg;
+    if (!bwd) {
+        stc = fm_moe_swiglu(x->cpu, &qh, &in.th, MT_H(pr, with_probs), &row.th, MT_H(col, o->col), MT_H(sv, with_saved));
+        stg = fm_moe_swiglu(x->gpu, &qd, &in.td, MT_D(pr, with_probs), &row.td, MT_D(col, o->col), MT_D(sv, with_saved));
+    } else {
+        stc = fm_moe_swiglu_backward(x->cpu, &qh, &dh.th, &in.th, MT_H(pr, with_probs), &row.th, MT_H(col, o->col),
+                                     MT_H(dp, with_dprobs));
+        stg = fm_moe_swiglu_backward(x->gpu, &qd, &dh.td, &in.td, MT_D(pr, with_probs), &row.td, MT_D(col, o->col),
+                                     MT_D(dp, with_dprobs));
+    }
+    if ((res = mt_verdict(x, name, stc, stg)) >= 0)
+        goto done;
+    int ok = mt_same(x, &row, bwd ? "din_row" : "out_row", name);
+    if (o->col)
+        ok &= mt_same(x, &col, bwd ? "din_col" : "out_col", name);
+    if (with_saved)
+        ok &= mt_same(x, &sv, "in_saved", name);
+    if (with_dprobs)
+        ok &= buf_same(x, &dp.data, "dprobs", name);
+    if (want_amax)
+        ok &= buf_same(x, &amax, "amax", name) & buf_same(x, &nonf, "nonfinite_blocks", name);
+    res = ok ? 0 : 1;
+done:
+    for (int i = 0; i < 7; i++)
+        qout_free(all[i]);
+    buf_free(&amax);
+    buf_free(&nonf);
+    return res;
+}
+
+static void xv_moe_swiglu(xv_env *x, xv_counts *cnt)
+{
+    long serial = 0;
+    for (int si = 0; si < SW_NSHAPES; si++)
+        for (int ii = 0; ii < 4; ii++)
+            for (int oi = 0; oi < 5; oi++)
+                for (int vi = 0; vi < 3; vi++)
+                    for (int p = 0; p < 2 && !x->cuda_broken; p++) {
+                        const sw_fmt *a = &sw_ins[ii], *o = &sw_outs[oi], *sv = &sw_saved[vi];
+                        if (vi && a->m != FM_SCALE_NONE)
+                            continue; /* in_saved is written from an unscaled in only */
+                        serial++;
+                        int large = (int)sw_shapes[si][2];
+                        /* quick: one case in 4, the one taken rotating (so no inner loop's value is never hit) */
+                        if ((x->quick && (large || serial % 4 != (serial / 4) % 4)) || (large && serial % 3))
+                            continue;
+                        int kind = serial % 5 == 1 ? K_NONFINITE : serial % 5 == 3 ? K_MAXMAG : MT_UNIT;
+                        int want_amax = o->m != FM_SCALE_NONE && serial % 2;
+                        char an[48], on[48], vn[48] = "-", name[280];
+                        sw_fmt_name(a, an, sizeof an);
+                        sw_fmt_name(o, on, sizeof on);
+                        if (vi)
+                            sw_fmt_name(sv, vn, sizeof vn);
+                        snprintf(name, sizeof name, "moe_swiglu M=%lld I=%lld in %s -> %s saved %s%s kind=%s%s",
+                                 (long long)sw_shapes[si][0], (long long)sw_shapes[si][1], an, on, vn,
+                                 p ? " probs" : "", kind == MT_UNIT ? "unit" : kind_name[kind],
+                                 want_amax ? " amax" : "");
+                        tally(x, cnt, sw_case(x, 0, sw_shapes[si][0], sw_shapes[si][1], a, NULL, o, sv, p, 0, kind,
+                                              want_amax, name),
+                              name);
+                    }
+}
+
+static void xv_moe_swiglu_backward(xv_env *x, xv_counts *cnt)
+{
+    static const sw_fmt dins[] = {
+        {FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 0}, {FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 1},
+        {FM_DTYPE_E2M1, FM_SCALE_MX32, 0}, {FM_DTYPE_BF16, FM_SCALE_NONE, 0},
+    };
+    long serial = 0;
+    for (int si = 0; si < SW_NSHAPES; si++)
+        for (int di = 0; di < 4; di++)      /* dh */
+            for (int ii = 0; ii < 4; ii++)  /* the saved in */
+                for (int oi = 0; oi < 4; oi++)
+                    for (int p = 0; p < 3 && !x->cuda_broken; p++) {
+                        const sw_fmt *a = &sw_ins[di], *b = &sw_ins[ii], *o = &dins[oi];
+                        serial++;
+                        int large = (int)sw_shapes[si][2];
+                        if ((x->quick && (large || serial % 12 != (serial / 12) % 12)) || (large && serial % 4) ||
+                            (!x->quick && serial % 2))
+                            continue;
+                        int kind = serial % 5 == 2 ? K_NONFINITE : serial % 7 == 4 ? K_MAXMAG : MT_UNIT;
+                        int want_amax = o->m != FM_SCALE_NONE && serial % 3 == 0;
+                        char an[48], bn[48], on[48], name[280];
+                        sw_fmt_name(a, an, sizeof an);
+                        sw_fmt_name(b, bn, sizeof bn);
+                        sw_fmt_name(o, on, sizeof on);
+                        snprintf(name, sizeof name, "moe_swiglu_backward M=%lld I=%lld dh %s in %s -> %s%s%s kind=%s%s",
+                                 (long long)sw_shapes[si][0], (long long)sw_shapes[si][1], an, bn, on,
+                                 p ? " probs" : "", p == 2 ? " dprobs" : "", kind == MT_UNIT ? "unit" : kind_name[kind],
+                                 want_amax ? " amax" : "");
+                        tally(x, cnt, sw_case(x, 1, sw_shapes[si][0], sw_shapes[si][1], a, b, o, NULL, p > 0, p == 2,
+                                              kind, want_amax, name),
+                              name);
+                    }
+}
+
 /* ---- the op table: a later op registers here ------------------------------- */
 
 typedef void (*xv_op_fn)(xv_env *x, xv_counts *c);
@@ -1322,6 +1914,13 @@ static const struct {
     {"gemm", xv_gemm},
     {"grouped_gemm", xv_grouped_gemm},
     {"grouped_gemm_wgrad", xv_grouped_gemm_wgrad},
+    {"moe_router", xv_moe_router},
+    {"moe_router_backward", xv_moe_router_backward},
+    {"moe_permute", xv_moe_permute},
+    {"moe_unpermute", xv_moe_unpermute},
+    {"moe_unpermute_backward", xv_moe_unpermute_backward},
+    {"moe_swiglu", xv_moe_swiglu},
+    {"moe_swiglu_backward", xv_moe_swiglu_backward},
 };
 #define NOPS (int)(sizeof xv_ops / sizeof xv_ops[0])
 
