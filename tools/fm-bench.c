@@ -130,11 +130,16 @@ static void fill_device(void *d, fm_dtype t, size_t n)
 
 /* ---- cases ---------------------------------------------------------------- */
 
-typedef enum { OP_QUANT, OP_DEQUANT, OP_SLC, OP_TRANSPOSE, OP_CONVERT, OP_NAIVE, OP_TRANSPOSE_GROUPED } op_kind;
+typedef enum { OP_QUANT, OP_DEQUANT, OP_SLC, OP_TRANSPOSE, OP_CONVERT, OP_NAIVE, OP_TRANSPOSE_GROUPED, OP_TRANSPOSE_GROUPED128 } op_kind;
 
 /* 8 ragged experts over 32768 rows (none a multiple of 128) for the grouped transpose. */
 static const int64_t bench_split_sizes[8] = {4000, 5000, 3000, 6000, 2500, 4500, 3768, 4000};
 static const fm_splits bench_splits = {8, bench_split_sizes, NULL};
+/* What the FP8 layer hands over: experts padded to 128 rows. */
+static const int64_t bench_split_sizes128[8] = {4096, 4992, 3072, 5888, 2560, 4480, 3840, 3840};
+static const fm_splits bench_splits128 = {8, bench_split_sizes128, NULL};
+static int is_grouped(op_kind k) { return k == OP_TRANSPOSE_GROUPED || k == OP_TRANSPOSE_GROUPED128; }
+static const fm_splits *splits_of(op_kind k) { return k == OP_TRANSPOSE_GROUPED128 ? &bench_splits128 : &bench_splits; }
 
 typedef struct bcase {
     const char *name;
@@ -174,7 +179,8 @@ static const bcase cases[] = {
      * quantized (POW2 scales) activation-like data, outputs compact. The naive row does what
      * they replace: dequantize to BF16, then quantize column-wise (two ops, timed together). */
     {"transpose_scaled E4M3 1x128 row->col", OP_TRANSPOSE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0.85, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128},
-    {"transpose_scaled_grouped E4M3 1x128 row->col, 8 ragged experts", OP_TRANSPOSE_GROUPED, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0.85, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128},
+    {"transpose_scaled_grouped E4M3 1x128 row->col, 8 experts of 128-row multiples", OP_TRANSPOSE_GROUPED128, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0.85, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128},
+    {"transpose_scaled_grouped E4M3 1x128 row->col, 8 ragged experts (not multiples of 16)", OP_TRANSPOSE_GROUPED, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128},
     {"transpose_scaled E4M3 MX32 row->col", OP_TRANSPOSE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_MX32},
     {"transpose_scaled E2M1 MX32 row->col", OP_TRANSPOSE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E2M1, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E2M1, FM_SCALE_MX32},
     {"convert_scaled E4M3 1x128 -> E2M1 MX32", OP_CONVERT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0, FM_DTYPE_E2M1, FM_SCALE_MX32},
@@ -203,8 +209,8 @@ static void run_fn(void *p, int rep)
         st = fm_quantize(a->ctx, &a->qc, &a->in[k], a->c->row ? &a->qrow[k] : NULL, a->c->col ? &a->qcol[k] : NULL);
     else if (a->c->op == OP_TRANSPOSE)
         st = fm_transpose_scaled(a->ctx, NULL, &a->qrow[k], &a->out[k]);
-    else if (a->c->op == OP_TRANSPOSE_GROUPED)
-        st = fm_transpose_scaled_grouped(a->ctx, NULL, &bench_splits, &a->qrow[k], &a->out[k]);
+    else if (is_grouped(a->c->op))
+        st = fm_transpose_scaled_grouped(a->ctx, NULL, splits_of(a->c->op), &a->qrow[k], &a->out[k]);
     else if (a->c->op == OP_CONVERT)
         st = fm_convert_scaled(a->ctx, NULL, &a->qrow[k], &a->out[k]);
     else if (a->c->op == OP_NAIVE) {
@@ -1017,15 +1023,15 @@ int main(int argc, char **argv)
                 }
                 CK(cudaStreamSynchronize(s));
                 cudaFree(src.data);
-                if (c->op == OP_TRANSPOSE || c->op == OP_CONVERT || c->op == OP_TRANSPOSE_GROUPED) {
+                if (c->op == OP_TRANSPOSE || c->op == OP_CONVERT || is_grouped(c->op)) {
                     a.out[k] = shaped(c, NULL, c->out_elem);
                     a.out[k].layout = c->op == OP_CONVERT ? FM_LAYOUT_ROWWISE : FM_LAYOUT_COLWISE;
                     a.out[k].scale_mode = c->out_mode;
                     a.out[k].scale_dtype = fm_scale_mode_dtype(c->out_mode);
                     a.out[k].scale_layout = c->sl;
                     a.out[k].data = dalloc(fm_tensor_nbytes(&a.out[k]));
-                    a.out[k].scale = dalloc(c->op == OP_TRANSPOSE_GROUPED
-                                                ? fm_tensor_grouped_scale_count(&a.out[k], &bench_splits) *
+                    a.out[k].scale = dalloc(is_grouped(c->op)
+                                                ? fm_tensor_grouped_scale_count(&a.out[k], splits_of(c->op)) *
                                                       (fm_dtype_bits(a.out[k].scale_dtype) / 8)
                                                 : fm_tensor_scale_nbytes(&a.out[k]));
                 } else if (c->op == OP_NAIVE) {
@@ -1075,7 +1081,7 @@ int main(int argc, char **argv)
                     cudaFree(a.out[k].data);
             } else if (c->op == OP_SLC && a.out[k].scale) {
                 cudaFree(a.out[k].scale);
-            } else if (c->op == OP_TRANSPOSE || c->op == OP_CONVERT || c->op == OP_TRANSPOSE_GROUPED) {
+            } else if (c->op == OP_TRANSPOSE || c->op == OP_CONVERT || is_grouped(c->op)) {
                 free_t(&a.out[k]);
             }
         }
