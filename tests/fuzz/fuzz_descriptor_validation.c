@@ -281,7 +281,7 @@ static const struct {
     [OP_PERMUTE] = {"fm_moe_permute", 8, 0xF8, 0},
     [OP_UNPERMUTE] = {"fm_moe_unpermute", 4, 0x8, 0},
     [OP_UNPERMUTE_BWD] = {"fm_moe_unpermute_backward", 7, 0x60, 0},
-    [OP_SWIGLU] = {"fm_moe_swiglu", 4, 0xC, 0},
+    [OP_SWIGLU] = {"fm_moe_swiglu", 5, 0x1C, 0},
     [OP_SWIGLU_BWD] = {"fm_moe_swiglu_backward", 6, 0x38, 0},
     [OP_CONTEXT] = {"fm_context_create", 0, 0, 0},
 };
@@ -527,7 +527,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         st = fm_moe_unpermute_backward(ctx, t[0], t[1], t[2], t[3], (flags & 8) ? NULL : t[4], t[5],
                                        (flags & 8) ? NULL : t[6]);
         break;
-    case OP_SWIGLU: st = fm_moe_swiglu(ctx, pq, t[0], (flags & 8) ? NULL : t[1], t[2], (flags & 4) ? NULL : t[3]); break;
+    case OP_SWIGLU:
+        st = fm_moe_swiglu(ctx, pq, t[0], (flags & 8) ? NULL : t[1], t[2], (flags & 4) ? NULL : t[3],
+                           (flags & 4) ? t[4] : NULL);
+        break;
     case OP_SWIGLU_BWD:
         st = fm_moe_swiglu_backward(ctx, pq, t[0], t[1], (flags & 8) ? NULL : t[2], t[3], (flags & 4) ? NULL : t[4],
                                     (flags & 8) ? NULL : t[5]);
