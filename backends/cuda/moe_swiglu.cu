@@ -1,13 +1,262 @@
 /* CUDA weighted SwiGLU and dSwiGLU, bit-exact with backends/cpu/moe_swiglu.c.
  *
- * The activation (mathfn.h's silu / dsilu, the same F32 operations as the
- * CPU) goes to an F32 buffer that fm_cuda_quantize then quantizes, so the
- * outputs are fm_quantize's by construction; unscaled outputs are stored
- * directly. dprobs: one warp per row, the fixed-order dot.
- * Not yet the single fused kernel issue 7 asks for: the F32 round trip costs
- * 8 bytes per element of h on top of the fused traffic. */
+ * Hot cases (what the FP8 recipes run) take one fused kernel: row-wise
+ * BF16 [M, 2I], or E4M3 1x128 / E2M1 MX32 codes with compact scales, I a
+ * multiple of 128, into FP8 BLOCK_1x128 outputs with compact scales, no
+ * column-wise copy and no cfg->amax / nonfinite_blocks. A warp takes 256
+ * output columns of one row, 8 per lane: 16 lanes make one 128-column block,
+ * whose amax reduces by 4 shuffles. The activation is mathfn.h's (the same F32
+ * operations in the same order as the CPU), and each block is scaled and
+ * encoded with the tile quantizer's helpers (fm_pick_scale, fm_encode8,
+ * fm_nan_word), so the bytes are what fm_quantize gives for the F32 tensor.
+ * The forward writes in_saved (E4M3 1x128 or E2M1 MX32) from the same
+ * registers. The backward's dprobs keeps fm_dot_order_f32's order: a warp
+ * then owns a whole row, walks its columns in increasing order, and each
+ * chunk's dh and a · u pass through shared memory so that lane l holds the
+ * elements i = l (mod 32) that its partial sum p_l accumulates.
+ *
+ * Every other case: the activation into `row` directly (unscaled), or into
+ * an F32 buffer that fm_cuda_quantize quantizes; dprobs by one warp per row. */
+#include <string.h>
+
 #include "cuda.h"
 #include "moe_common.cuh"
+
+/* ---- fused kernels --------------------------------------------------------- */
+
+#define SW_THREADS 256
+#define SW_WARPS (SW_THREADS / 32)
+#define SW_CHUNK 256 /* columns of one row a warp handles at a time */
+
+typedef struct swparams {
+    const void *in;         /* [M, 2I]: BF16, E4M3 1x128 or E2M1 MX32 codes */
+    const void *in_scale;
+    const uint16_t *dh;     /* backward: BF16 [M, I] */
+    const float *probs;     /* [M] or NULL */
+    uint8_t *out;           /* forward h [M, I], backward din [M, 2I]: FP8 codes */
+    void *out_scale;
+    uint8_t *sv;            /* forward in_saved [M, 2I] or NULL */
+    void *sv_scale;
+    float *dprobs;          /* backward, [M] or NULL */
+    int64_t I;
+    uint32_t nch;           /* SW_CHUNK-column chunks per row */
+    fm_fastdiv chdiv;       /* by nch */
+    uint32_t units;         /* work items: (row, chunk) pairs, or rows when dprobs is written */
+    float eps;
+    int out_rule, sv_rule;
+} swparams;
+
+FM_DI void sw_bf16x8(uint4 w, float *x)
+{
+    const uint32_t q[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        x[2 * k] = __uint_as_float(q[k] << 16);
+        x[2 * k + 1] = __uint_as_float(q[k] & 0xFFFF0000u);
+    }
+}
+
+/* code x scale, as decode_row: the hardware conversion is exact for every
+ * E4M3 value; a NaN code gives some NaN, and a NaN never reaches an output
+ * with its payload (quantized blocks turn NaN as a whole, the dot product's
+ * result is made canonical). */
+FM_DI void sw_e4m3x8(uint2 w, float s, float *x)
+{
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        float lo, hi;
+        fm_hw_e4m3x2_to_f32(((k < 2 ? w.x : w.y) >> (16 * (k & 1))) & 0xFFFFu, &lo, &hi);
+        x[2 * k] = lo * s;
+        x[2 * k + 1] = hi * s;
+    }
+}
+
+FM_DI void sw_e2m1x8(uint32_t w, float s, float *x)
+{
+#pragma unroll
+    for (int k = 0; k < 8; k++)
+        x[k] = fm_fast_e2m1_to_f32((w >> (4 * k)) & 0xFu) * s;
+}
+
+/* Gate and up values of row m, columns [col, col + 8), exact F32 (the scale
+ * dtype follows the mode: F32 for 1x128, E8M0 for MX32). */
+template <int IN>
+FM_DI void sw_load_gu(const swparams &p, int64_t m, int64_t col, float *g, float *u)
+{
+    const int64_t I = p.I;
+    if (IN == FM_DTYPE_BF16) {
+        const uint16_t *row = (const uint16_t *)p.in + m * 2 * I;
+        sw_bf16x8(__ldcs((const uint4 *)(row + col)), g);
+        sw_bf16x8(__ldcs((const uint4 *)(row + I + col)), u);
+    } else if (IN == FM_DTYPE_E4M3) {
+        const uint8_t *row = (const uint8_t *)p.in + m * 2 * I;
+        const int64_t sb = m * (2 * I / 128) + col / 128;
+        const float *sc = (const float *)p.in_scale;
+        sw_e4m3x8(__ldcs((const uint2 *)(row + col)), sc[sb], g);
+        sw_e4m3x8(__ldcs((const uint2 *)(row + I + col)), sc[sb + I / 128], u);
+    } else {
+        const uint8_t *row = (const uint8_t *)p.in + m * I; /* 2I nibbles */
+        const int64_t sb = m * (2 * I / 32) + col / 32;
+        const uint8_t *sc = (const uint8_t *)p.in_scale;
+        sw_e2m1x8(__ldcs((const unsigned int *)(row + col / 2)), fm_e8m0_to_f32(sc[sb]), g);
+        sw_e2m1x8(__ldcs((const unsigned int *)(row + (I + col) / 2)), fm_e8m0_to_f32(sc[sb + I / 32]), u);
+    }
+}
+
+/* One row block of the values x held 8 per lane by GROUP consecutive lanes
+ * (16: a 128-column FP8 block with an F32 scale, 4: a 32-column E2M1 MX32
+ * block with an E8M0 scale): amax by shuffles (every lane of the warp must
+ * call), the scale rule and encoding of the tile quantizer; lanes of a block
+ * outside the matrix store nothing. */
+template <int ELEM, int GROUP>
+FM_DI void sw_put_block(const float *x, bool valid, float eps, int rule, uint8_t *codes, void *scale, int64_t sidx)
+{
+    uint32_t a = 0;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const uint32_t b = __float_as_uint(x[k]) & 0x7FFFFFFFu;
+        a = b > a ? b : a;
+    }
+#pragma unroll
+    for (int s = 1; s < GROUP; s <<= 1) {
+        const uint32_t b = __shfl_xor_sync(0xFFFFFFFFu, a, s);
+        a = b > a ? b : a;
+    }
+    float s32;
+    uint8_t s8;
+    const float mult = fm_pick_scale(a, eps, rule, ELEM, &s32, &s8);
+    if (!valid)
+        return;
+    float y[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++)
+        y[k] = x[k] * mult;
+    uint2 c = fm_encode8<ELEM>(y);
+    if (mult != mult)
+        c.x = c.y = fm_nan_word<ELEM>();
+    if (ELEM == FM_DTYPE_E2M1)
+        __stcs((unsigned int *)codes, c.x);
+    else
+        __stcs((uint2 *)codes, c);
+    if ((threadIdx.x & (GROUP - 1)) == 0) {
+        if (ELEM == FM_DTYPE_E2M1)
+            ((uint8_t *)scale)[sidx] = s8;
+        else
+            ((float *)scale)[sidx] = s32;
+    }
+}
+
+/* A row-wise quantized [M, C] output: lane's 8 values at (m, col). */
+template <int ELEM>
+FM_DI void sw_put(const float *x, bool valid, float eps, int rule, uint8_t *data, void *scale, int64_t m, int64_t C,
+                  int64_t col)
+{
+    if (ELEM == FM_DTYPE_E2M1)
+        sw_put_block<ELEM, 4>(x, valid, eps, rule, data + (m * C + col) / 2, scale, m * (C / 32) + col / 32);
+    else
+        sw_put_block<ELEM, 16>(x, valid, eps, rule, data + m * C + col, scale, m * (C / 128) + col / 128);
+}
+
+/* h = (silu(g) · u) · p into OUT 1x128; SV: in_saved's element dtype
+ * (E4M3 1x128, E2M1 MX32) or 0. */
+template <int IN, int OUT, int SV>
+__global__ void __launch_bounds__(SW_THREADS) swiglu_fwd_fused_kernel(const swparams p)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t I = p.I;
+    for (uint32_t unit = blockIdx.x * SW_WARPS + (threadIdx.x >> 5); unit < p.units; unit += gridDim.x * SW_WARPS) {
+        const uint32_t m32 = fm_fastdiv_div(p.chdiv, unit);
+        const int64_t m = m32, col = (int64_t)(unit - m32 * p.nch) * SW_CHUNK + lane * 8;
+        const bool valid = col < I;
+        float g[8], u[8], h[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+            g[k] = u[k] = 0.0f;
+        if (valid)
+            sw_load_gu<IN>(p, m, col, g, u);
+        const float pm = p.probs ? p.probs[m] : 0.0f;
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const float v = fm_siluf(g[k]) * u[k];
+            h[k] = p.probs ? v * pm : v;
+        }
+        sw_put<OUT>(h, valid, p.eps, p.out_rule, p.out, p.out_scale, m, I, col);
+        if (SV) {
+            sw_put<SV>(g, valid, p.eps, p.sv_rule, p.sv, p.sv_scale, m, 2 * I, col);
+            sw_put<SV>(u, valid, p.eps, p.sv_rule, p.sv, p.sv_scale, m, 2 * I, I + col);
+        }
+    }
+}
+
+/* din = [dg | du] into OUT 1x128, and dprobs when p.dprobs is set. */
+template <int IN, int OUT>
+__global__ void __launch_bounds__(SW_THREADS) swiglu_bwd_fused_kernel(const swparams p)
+{
+    __shared__ __align__(16) float xs[SW_WARPS][2][SW_CHUNK];
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int64_t I = p.I;
+    const bool dp = p.dprobs != NULL;
+    for (uint32_t unit = blockIdx.x * SW_WARPS + w; unit < p.units; unit += gridDim.x * SW_WARPS) {
+        uint32_t m32, ch0, ch1;
+        if (dp) {
+            m32 = unit;
+            ch0 = 0;
+            ch1 = p.nch;
+        } else {
+            m32 = fm_fastdiv_div(p.chdiv, unit);
+            ch0 = unit - m32 * p.nch;
+            ch1 = ch0 + 1;
+        }
+        const int64_t m = m32;
+        const float pm = p.probs ? p.probs[m] : 0.0f;
+        float acc = 0.0f;
+        for (uint32_t ch = ch0; ch < ch1; ch++) {
+            const int64_t c0 = (int64_t)ch * SW_CHUNK, col = c0 + lane * 8;
+            const bool valid = col < I;
+            float g[8], u[8], d[8], dg[8], du[8];
+#pragma unroll
+            for (int k = 0; k < 8; k++)
+                g[k] = u[k] = d[k] = 0.0f;
+            if (valid) {
+                sw_load_gu<IN>(p, m, col, g, u);
+                sw_bf16x8(__ldcs((const uint4 *)(p.dh + m * I + col)), d);
+            }
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const float a = fm_siluf(g[k]);
+                const float q = p.probs ? d[k] * pm : d[k];
+                du[k] = q * a;
+                dg[k] = (q * u[k]) * fm_dsiluf(g[k]);
+                u[k] = a * u[k]; /* a · u, what dprobs dots with dh */
+            }
+            sw_put<OUT>(dg, valid, p.eps, p.out_rule, p.out, p.out_scale, m, 2 * I, col);
+            sw_put<OUT>(du, valid, p.eps, p.out_rule, p.out, p.out_scale, m, 2 * I, I + col);
+            if (dp) {
+                float *xd = xs[w][0], *xa = xs[w][1];
+                if (valid) {
+                    *(float4 *)(xd + lane * 8) = make_float4(d[0], d[1], d[2], d[3]);
+                    *(float4 *)(xd + lane * 8 + 4) = make_float4(d[4], d[5], d[6], d[7]);
+                    *(float4 *)(xa + lane * 8) = make_float4(u[0], u[1], u[2], u[3]);
+                    *(float4 *)(xa + lane * 8 + 4) = make_float4(u[4], u[5], u[6], u[7]);
+                }
+                __syncwarp();
+                /* p_l = fmaf(dh_i, (a u)_i, p_l) for i = c0 + l + 32 n, increasing */
+#pragma unroll
+                for (int n = 0; n < SW_CHUNK / 32; n++)
+                    if (c0 + 32 * n < I)
+                        acc = fmaf(xd[lane + 32 * n], xa[lane + 32 * n], acc);
+                __syncwarp();
+            }
+        }
+        if (dp) {
+            const float v = fm_warp_tree(acc);
+            if (lane == 0)
+                p.dprobs[m] = v;
+        }
+    }
+}
+
+/* ---- general path ---------------------------------------------------------- */
 
 __global__ void swiglu_fwd_kernel(fm_moe_rows in, const float *p, int64_t M, int64_t I, void *h, int hdt)
 {
@@ -98,15 +347,159 @@ static fm_status run(fm_context *ctx, const fm_quant_config *cfg, const fm_tenso
     return st ? st : st2;
 }
 
+/* ---- hot-case selection ------------------------------------------------------ */
+
+static int aligned_to(const void *p, uintptr_t a) { return (uintptr_t)p % a == 0; }
+
+/* The element dtype of an `in` the fused kernels decode (vector loads need
+ * the alignment), else 0. Core has checked it is row-wise, 2-D, compact. */
+static int fused_in(const fm_tensor *t)
+{
+    if (t->dtype == FM_DTYPE_BF16 && t->scale_mode == FM_SCALE_NONE && aligned_to(t->data, 16))
+        return FM_DTYPE_BF16;
+    if (t->dtype == FM_DTYPE_E4M3 && t->scale_mode == FM_SCALE_BLOCK_1x128 && aligned_to(t->data, 8))
+        return FM_DTYPE_E4M3;
+    if (t->dtype == FM_DTYPE_E2M1 && t->scale_mode == FM_SCALE_MX32 && aligned_to(t->data, 4))
+        return FM_DTYPE_E2M1;
+    return 0;
+}
+
+/* FP8 BLOCK_1x128 with compact scales (the activation outputs), else 0. */
+static int fused_out(const fm_tensor *t)
+{
+    if ((t->dtype != FM_DTYPE_E4M3 && t->dtype != FM_DTYPE_E5M2) || t->scale_mode != FM_SCALE_BLOCK_1x128 ||
+        t->scale_layout != FM_SCALE_LAYOUT_COMPACT || !aligned_to(t->data, 8))
+        return 0;
+    return t->dtype;
+}
+
+/* in_saved as E4M3 1x128 or E2M1 MX32 with compact scales, else 0. */
+static int fused_saved(const fm_tensor *t)
+{
+    if (t->scale_layout != FM_SCALE_LAYOUT_COMPACT)
+        return 0;
+    if (t->dtype == FM_DTYPE_E4M3 && t->scale_mode == FM_SCALE_BLOCK_1x128 && aligned_to(t->data, 8))
+        return FM_DTYPE_E4M3;
+    if (t->dtype == FM_DTYPE_E2M1 && t->scale_mode == FM_SCALE_MX32 && aligned_to(t->data, 4))
+        return FM_DTYPE_E2M1;
+    return 0;
+}
+
+/* The shape part of the hot case, and the parameters common to both
+ * directions; 0 when the general path must run. */
+static int fused_setup(swparams *p, const fm_quant_config *cfg, const fm_tensor *in, const fm_tensor *probs,
+                       const fm_tensor *out, int by_row)
+{
+    const int64_t M = in->shape[0], I = in->shape[1] / 2;
+    if (cfg->amax || cfg->nonfinite_blocks || M <= 0 || I <= 0 || I % 128)
+        return 0;
+    const int64_t nch = fm_cdiv(I, SW_CHUNK), units = by_row ? M : M * nch;
+    if (units >= ((int64_t)1 << 31))
+        return 0;
+    memset(p, 0, sizeof *p);
+    p->in = in->data;
+    p->in_scale = in->scale;
+    p->probs = probs ? (const float *)probs->data : NULL;
+    p->out = (uint8_t *)out->data;
+    p->out_scale = out->scale;
+    p->out_rule = fm_effective_rule(cfg->rule, out->scale_mode);
+    p->I = I;
+    p->nch = (uint32_t)nch;
+    p->chdiv = fm_fastdiv_make((uint32_t)nch);
+    p->units = (uint32_t)units;
+    p->eps = cfg->epsilon;
+    return 1;
+}
+
+static unsigned fused_grid(uint32_t units)
+{
+    uint32_t b = (units + SW_WARPS - 1) / SW_WARPS;
+    return b < 65535u * 16u ? b : 65535u * 16u;
+}
+
+static cudaError_t launch_fwd(const swparams &p, int in, int out, int sv, cudaStream_t s)
+{
+    const unsigned g = fused_grid(p.units);
+#define FM_SW_FWD(IN_, OUT_, SV_)                                                  \
+    if (in == IN_ && out == OUT_ && sv == SV_)                                     \
+        swiglu_fwd_fused_kernel<IN_, OUT_, SV_><<<g, SW_THREADS, 0, s>>>(p);       \
+    else
+#define FM_SW_FWD_OUT(OUT_)                                                        \
+    FM_SW_FWD(FM_DTYPE_BF16, OUT_, 0)                                              \
+    FM_SW_FWD(FM_DTYPE_BF16, OUT_, FM_DTYPE_E4M3)                                  \
+    FM_SW_FWD(FM_DTYPE_BF16, OUT_, FM_DTYPE_E2M1)                                  \
+    FM_SW_FWD(FM_DTYPE_E4M3, OUT_, 0)                                              \
+    FM_SW_FWD(FM_DTYPE_E2M1, OUT_, 0)
+    FM_SW_FWD_OUT(FM_DTYPE_E4M3) FM_SW_FWD_OUT(FM_DTYPE_E5M2) return cudaErrorInvalidValue;
+#undef FM_SW_FWD_OUT
+#undef FM_SW_FWD
+    return cudaGetLastError();
+}
+
+static cudaError_t launch_bwd(const swparams &p, int in, int out, cudaStream_t s)
+{
+    const unsigned g = fused_grid(p.units);
+#define FM_SW_BWD(IN_, OUT_)                                                       \
+    if (in == IN_ && out == OUT_)                                                  \
+        swiglu_bwd_fused_kernel<IN_, OUT_><<<g, SW_THREADS, 0, s>>>(p);            \
+    else
+    FM_SW_BWD(FM_DTYPE_BF16, FM_DTYPE_E4M3) FM_SW_BWD(FM_DTYPE_E4M3, FM_DTYPE_E4M3)
+    FM_SW_BWD(FM_DTYPE_E2M1, FM_DTYPE_E4M3) FM_SW_BWD(FM_DTYPE_BF16, FM_DTYPE_E5M2)
+    FM_SW_BWD(FM_DTYPE_E4M3, FM_DTYPE_E5M2) FM_SW_BWD(FM_DTYPE_E2M1, FM_DTYPE_E5M2) return cudaErrorInvalidValue;
+#undef FM_SW_BWD
+    return cudaGetLastError();
+}
+
+/* The fused forward when the arguments are a hot case: 1 and *st set, else 0. */
+static int swiglu_fused(fm_context *ctx, const fm_quant_config *cfg, const fm_tensor *in, const fm_tensor *probs,
+                        fm_tensor *out_row, fm_tensor *out_col, fm_tensor *in_saved, fm_status *st)
+{
+    swparams p;
+    const int ie = fused_in(in), oe = fused_out(out_row), se = in_saved ? fused_saved(in_saved) : 0;
+    if (!ie || !oe || out_col || (in_saved && !se) || !fused_setup(&p, cfg, in, probs, out_row, 0))
+        return 0;
+    if (in_saved) {
+        p.sv = (uint8_t *)in_saved->data;
+        p.sv_scale = in_saved->scale;
+        p.sv_rule = fm_effective_rule(cfg->rule, in_saved->scale_mode);
+    }
+    fm_cuda_device_guard g;
+    if ((*st = fm_cuda_enter(ctx, &g, "fm_moe_swiglu")))
+        return 1;
+    *st = fm_cuda_leave(ctx, &g, launch_fwd(p, ie, oe, se, fm_cuda_stream(ctx)), "fm_moe_swiglu");
+    return 1;
+}
+
+static int swiglu_backward_fused(fm_context *ctx, const fm_quant_config *cfg, const fm_tensor *dh,
+                                 const fm_tensor *in, const fm_tensor *probs, fm_tensor *din_row,
+                                 fm_tensor *din_col, fm_tensor *dprobs, fm_status *st)
+{
+    swparams p;
+    const int ie = fused_in(in), oe = fused_out(din_row);
+    if (!ie || !oe || din_col || dh->dtype != FM_DTYPE_BF16 || dh->scale_mode != FM_SCALE_NONE ||
+        !aligned_to(dh->data, 16) || !fused_setup(&p, cfg, in, probs, din_row, dprobs != NULL))
+        return 0;
+    p.dh = (const uint16_t *)dh->data;
+    p.dprobs = dprobs ? (float *)dprobs->data : NULL;
+    fm_cuda_device_guard g;
+    if ((*st = fm_cuda_enter(ctx, &g, "fm_moe_swiglu_backward")))
+        return 1;
+    *st = fm_cuda_leave(ctx, &g, launch_bwd(p, ie, oe, fm_cuda_stream(ctx)), "fm_moe_swiglu_backward");
+    return 1;
+}
+
 extern "C" fm_status fm_cuda_moe_swiglu(fm_context *ctx, const fm_quant_config *cfg, const fm_tensor *in,
                                         const fm_tensor *probs, fm_tensor *out_row, fm_tensor *out_col,
                                         fm_tensor *in_saved)
 {
-    fm_status st = run(ctx, cfg, NULL, in, probs, out_row, out_col, NULL, "fm_moe_swiglu");
+    fm_status st;
+    if (swiglu_fused(ctx, cfg, in, probs, out_row, out_col, in_saved, &st))
+        return st;
+    st = run(ctx, cfg, NULL, in, probs, out_row, out_col, NULL, "fm_moe_swiglu");
     if (st || !in_saved)
         return st;
-    /* Not fused yet: a second read of `in` by the quantizer (same bits as the
-     * CPU's fm_quantize of in; amax and the non-finite count belong to h). */
+    /* A second read of `in` by the quantizer (same bits as the CPU's
+     * fm_quantize of in; amax and the non-finite count belong to h). */
     fm_quant_config c = *cfg;
     c.amax = NULL;
     c.nonfinite_blocks = NULL;
@@ -117,5 +510,8 @@ extern "C" fm_status fm_cuda_moe_swiglu_backward(fm_context *ctx, const fm_quant
                                                  const fm_tensor *in, const fm_tensor *probs, fm_tensor *din_row,
                                                  fm_tensor *din_col, fm_tensor *dprobs)
 {
+    fm_status st;
+    if (swiglu_backward_fused(ctx, cfg, dh, in, probs, din_row, din_col, dprobs, &st))
+        return st;
     return run(ctx, cfg, dh, in, probs, din_row, din_col, dprobs, "fm_moe_swiglu_backward");
 }

@@ -2,7 +2,10 @@
  * sigmoid, bias, renormalisation) and its backward, permute + pad on FP8,
  * MXFP4 and BF16 rows with their scales, splits and maps, unpermute and its
  * backward, SwiGLU + quantize and dSwiGLU + quantize (FP8 1x128 row + column
- * outputs, MXFP4, BF16), with NaN tokens and empty experts. */
+ * outputs, MXFP4, BF16), with NaN tokens and empty experts. SwiGLU also on
+ * its own: the fused kernels' cases (I a multiple of 128, BF16 / E4M3 1x128 /
+ * E2M1 MX32 input, FP8 1x128 output, in_saved, dprobs) and the general path
+ * next to them, with NaN, Inf, huge, zero and subnormal blocks. */
 #include <math.h>
 #include <stdint.h>
 
@@ -86,6 +89,154 @@ static fm_tensor q2d(fm_dtype dt, fm_scale_mode m, int64_t r, int64_t c, fm_layo
     if (m == FM_SCALE_NONE)
         return fm_tensor_2d(NULL, dt, r, c);
     return fm_tensor_quant_2d(NULL, dt, r, c, l, m, NULL, FM_SCALE_LAYOUT_COMPACT);
+}
+
+/* BF16 bits of a nasty 128-column block, pattern k: NaN, +-Inf, BF16's
+ * largest magnitude, values whose activation overflows or nearly does,
+ * zeros, subnormals; k >= 8 leaves the random data. */
+static void nasty_bf16(uint16_t *x, int64_t n, int k)
+{
+    int64_t at = (int64_t)(rnd() % (uint64_t)n);
+    switch (k) {
+    case 0: x[at] = 0x7FC1; break;
+    case 1: x[at] = 0x7F80; break;
+    case 2: x[at] = 0xFF80; break;
+    case 3: x[at] = 0x7F7F; x[(at + 5) % n] = 0xFF7F; break;
+    case 4: for (int64_t i = 0; i < n; i += 3) x[i] = fm_bf16_from_f32(i % 2 ? 1e19f : -3e18f); break;
+    case 5: for (int64_t i = 0; i < n; i++) x[i] = (uint16_t)(i % 2 ? 0x8000 : 0); break;
+    case 6: for (int64_t i = 0; i < n; i++) x[i] = (uint16_t)((rnd() % 0x7F) | (i % 2 ? 0x8000 : 0)); break;
+    default: break;
+    }
+}
+
+static void upload(pair *p) { GT_CUDA(cudaMemcpy(p->d.data, p->h.data, p->nd, cudaMemcpyHostToDevice)); }
+static void upload_scale(pair *p) { GT_CUDA(cudaMemcpy(p->d.scale, p->h.scale, p->ns, cudaMemcpyHostToDevice)); }
+
+/* A row-wise [M, C] input of kind k: BF16 with nasty blocks, E4M3 1x128 or
+ * E2M1 MX32 with random codes and scales (NaN codes and NaN scales in a few
+ * blocks only, so that most blocks stay finite). */
+static void act_input(pair *p, int k, int64_t M, int64_t C)
+{
+    static const fm_dtype dt[3] = {FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_DTYPE_E2M1};
+    static const fm_scale_mode sm[3] = {FM_SCALE_NONE, FM_SCALE_BLOCK_1x128, FM_SCALE_MX32};
+    pair_make(p, q2d(dt[k], sm[k], M, C, FM_LAYOUT_ROWWISE), 1);
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t c0 = 0; c0 < C; c0 += 128) {
+            int64_t n = C - c0 < 128 ? C - c0 : 128;
+            int pat = (int)((r * 7 + c0 / 128 * 3 + (uint64_t)k) % 11);
+            if (k == 0) {
+                nasty_bf16((uint16_t *)p->h.data + r * C + c0, n, pat);
+            } else if (k == 1) {
+                uint8_t *x = (uint8_t *)p->h.data + r * C + c0;
+                for (int64_t i = 0; i < n; i++)
+                    if ((x[i] & 0x7F) == 0x7F && pat)
+                        x[i] = (uint8_t)(x[i] - 1);
+            }
+        }
+    if (k == 1 && M > 2)
+        ((float *)p->h.scale)[2 * fm_cdiv(C, 128) - 1] = NAN;
+    if (k == 2)
+        ((uint8_t *)p->h.scale)[(M - 1) * (C / 32)] = 0xFF;
+    upload(p);
+    if (k)
+        upload_scale(p);
+}
+
+/* SwiGLU forward and backward, CPU against CUDA, over the fused kernels'
+ * cases and the general path beside them. */
+static void swiglu_cases(fm_context *cpu, fm_context *gpu)
+{
+    static const int64_t Ms[] = {1, 7, 130, 33};
+    static const int64_t Is[] = {128, 384, 256, 640, 96};
+    char cs[200];
+    for (int ci = 0; ci < 60; ci++) {
+        int64_t M = Ms[ci % 4], I = Is[ci % 5];
+        int ink = (ci / 2) % 3, has_p = ci % 2, sv = ink ? 0 : (ci / 3) % 3;
+        fm_dtype odt = ci % 3 == 2 ? FM_DTYPE_E5M2 : FM_DTYPE_E4M3;
+        int colout = ci % 6 == 4, want_amax = ci % 8 == 6, dh32 = ci % 10 == 3, want_dp = has_p && ci % 4 != 1;
+        fm_quant_config qc = {FM_SCALE_RULE_DEFAULT, ci % 5 == 1 ? 1e-3f : 0.0f, NULL, NULL};
+        if (ci % 4 == 3)
+            qc.rule = FM_SCALE_RULE_POW2;
+        if (ci % 7 == 5 && sv != 2)
+            qc.rule = FM_SCALE_RULE_EXACT;
+        snprintf(cs, sizeof cs, "swiglu case %d M %lld I %lld in %d probs %d saved %d out %s col %d amax %d rule %d eps %g",
+                 ci, (long long)M, (long long)I, ink, has_p, sv, fm_dtype_name(odt), colout, want_amax, (int)qc.rule,
+                 (double)qc.epsilon);
+        pair in, pr, out, oc, sav, dh, din, dinc, dp;
+        act_input(&in, ink, M, 2 * I);
+        pair_make(&pr, fm_tensor_2d(NULL, FM_DTYPE_F32, M, 1), 1);
+        if (M > 3) {
+            ((float *)pr.h.data)[3] = NAN;
+            ((float *)pr.h.data)[1] = 0.0f;
+            upload(&pr);
+        }
+        pair_make(&out, q2d(odt, FM_SCALE_BLOCK_1x128, M, I, FM_LAYOUT_ROWWISE), 0);
+        if (colout)
+            pair_make(&oc, q2d(odt, FM_SCALE_BLOCK_1x128, M, I, FM_LAYOUT_COLWISE), 0);
+        if (sv)
+            pair_make(&sav, q2d(sv == 1 ? FM_DTYPE_E4M3 : FM_DTYPE_E2M1, sv == 1 ? FM_SCALE_BLOCK_1x128 : FM_SCALE_MX32,
+                                M, 2 * I, FM_LAYOUT_ROWWISE), 0);
+        float amax_h = 0, *amax_d = NULL;
+        fm_quant_config qh = qc, qd = qc;
+        if (want_amax) {
+            GT_CUDA(cudaMalloc((void **)&amax_d, sizeof(float)));
+            qh.amax = &amax_h;
+            qd.amax = amax_d;
+        }
+        const fm_tensor *ph = has_p ? &pr.h : NULL, *pd = has_p ? &pr.d : NULL;
+        GT_CHECK(fm_moe_swiglu(cpu, &qh, &in.h, ph, &out.h, colout ? &oc.h : NULL, sv ? &sav.h : NULL) == FM_OK, "%s: %s",
+                 cs, fm_last_error(cpu));
+        GT_CHECK(fm_moe_swiglu(gpu, &qd, &in.d, pd, &out.d, colout ? &oc.d : NULL, sv ? &sav.d : NULL) == FM_OK, "%s: %s",
+                 cs, fm_last_error(gpu));
+        pair_same(&out, "swiglu out_row", cs);
+        if (colout)
+            pair_same(&oc, "swiglu out_col", cs);
+        if (sv)
+            pair_same(&sav, "swiglu in_saved", cs);
+        if (want_amax) {
+            float g;
+            GT_CUDA(cudaMemcpy(&g, amax_d, sizeof g, cudaMemcpyDeviceToHost));
+            GT_CHECK(!memcmp(&g, &amax_h, sizeof g), "%s: amax %g vs CPU %g", cs, (double)g, (double)amax_h);
+        }
+
+        pair_make(&dh, fm_tensor_2d(NULL, dh32 ? FM_DTYPE_F32 : FM_DTYPE_BF16, M, I), 1);
+        if (!dh32) {
+            for (int64_t r = 0; r < M; r++)
+                for (int64_t c0 = 0; c0 < I; c0 += 128)
+                    nasty_bf16((uint16_t *)dh.h.data + r * I + c0, I - c0 < 128 ? I - c0 : 128,
+                               (int)((r * 5 + c0 / 128) % 13));
+            upload(&dh);
+        }
+        pair_make(&din, q2d(odt, FM_SCALE_BLOCK_1x128, M, 2 * I, FM_LAYOUT_ROWWISE), 0);
+        if (colout)
+            pair_make(&dinc, q2d(odt, FM_SCALE_BLOCK_1x128, M, 2 * I, FM_LAYOUT_COLWISE), 0);
+        pair_make(&dp, fm_tensor_2d(NULL, FM_DTYPE_F32, M, 1), 0);
+        GT_CHECK(fm_moe_swiglu_backward(cpu, &qh, &dh.h, &in.h, ph, &din.h, colout ? &dinc.h : NULL,
+                                        want_dp ? &dp.h : NULL) == FM_OK,
+                 "%s: %s", cs, fm_last_error(cpu));
+        GT_CHECK(fm_moe_swiglu_backward(gpu, &qd, &dh.d, &in.d, pd, &din.d, colout ? &dinc.d : NULL,
+                                        want_dp ? &dp.d : NULL) == FM_OK,
+                 "%s: %s", cs, fm_last_error(gpu));
+        pair_same(&din, "dswiglu din_row", cs);
+        if (colout)
+            pair_same(&dinc, "dswiglu din_col", cs);
+        pair_same(&dp, "dswiglu dprobs", cs);
+        if (want_amax) {
+            float g;
+            GT_CUDA(cudaMemcpy(&g, amax_d, sizeof g, cudaMemcpyDeviceToHost));
+            GT_CHECK(!memcmp(&g, &amax_h, sizeof g), "%s: backward amax %g vs CPU %g", cs, (double)g, (double)amax_h);
+            cudaFree(amax_d);
+        }
+        pair *all[] = {&in, &pr, &out, &dh, &din, &dp};
+        for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+            pair_free(all[i]);
+        if (colout) {
+            pair_free(&oc);
+            pair_free(&dinc);
+        }
+        if (sv)
+            pair_free(&sav);
+    }
 }
 
 int main(void)
@@ -202,6 +353,7 @@ int main(void)
             pair_free(&dinc);
         }
     }
+    swiglu_cases(cpu, gpu);
     fm_context_destroy(gpu);
     fm_context_destroy(cpu);
     printf("test_cuda_moe_ops_bitexact_with_cpu: %d failures\n", gt_failures);
