@@ -275,7 +275,7 @@ static void check_case(rank_io *io, const scase *c, const char *cs)
                     if (v != v)
                         v = NAN;
                     float part = 0.0f;
-                    for (int64_t j = 0; j < k; j++) {
+                    for (int64_t j = 0; j < k && !c->kd.m; j++) {
                         int32_t g = me->ids[t * k + j];
                         if (g >= 0 && g / c->el == p)
                             part = fmaf(me->probs[t * k + j], load(me->x, c->kd.dt, t * H + h), part);
