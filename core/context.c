@@ -170,6 +170,8 @@ const char *fm_op_name(fm_op op)
     case FM_OP_MOE_SWIGLU_BACKWARD: return "moe_swiglu_backward";
     case FM_OP_CAST: return "cast";
     case FM_OP_QUANTIZE_GROUPED: return "quantize_grouped";
+    case FM_OP_EP_DISPATCH: return "ep_dispatch";
+    case FM_OP_EP_COMBINE: return "ep_combine";
     default: return "unknown";
     }
 }

@@ -4,8 +4,8 @@
  * FP8 and FP4 MX32) moved bit for bit, BF16/F32 rows too, row_map, slot_rows,
  * splits, host_splits and out_probs, on random routings with empty experts,
  * all tokens on one expert, k = 1 and 8, odd T, rows to spare past the
- * routing. A NaN token stays in its own rows. fm_moe_unpermute is the fmaf
- * combine in choice order; its backward scatters w * dout and gives dprobs
+ * routing, slots with no expert (-1, some tokens with none at all). A NaN token stays in its own rows. fm_moe_unpermute is the fmaf
+ * combine in choice order skipping -1 slots; its backward scatters w * dout and gives dprobs
  * as the fixed-order dot, checked by finite differences of a double model.
  * Routings that do not fit, ids out of range and bad descriptors are refused
  * before anything is written. */
@@ -75,13 +75,14 @@ static void permute_case(fm_context *ctx, int it)
         ((float *)xs)[nan_t * sb / 4] = NAN;
 
     int32_t *ids = malloc((size_t)(T * k * 4));
-    int mode = it % 5; /* 0 random, 1 all on one expert, 2 skewed to few, 3 distinct per token, 4 empty tail */
+    /* 0 random, 1 all on one expert, 2 skewed to few, 3 distinct per token, 4 empty tail, 5 random with -1 */
+    int mode = it % 6;
     int64_t one = tu_randint(0, E - 1);
     for (int64_t t = 0; t < T; t++)
         for (int64_t j = 0; j < k; j++) {
             int64_t e = mode == 1 ? one : mode == 2 ? tu_randint(0, E > 2 ? 2 : E - 1)
                       : mode == 3 ? (t + j) % E : mode == 4 ? tu_randint(0, (E - 1) / 2) : tu_randint(0, E - 1);
-            ids[t * k + j] = (int32_t)e;
+            ids[t * k + j] = mode == 5 && (t % 3 == 0 || tu_randint(0, 2) == 0) ? -1 : (int32_t)e;
         }
     float *probs = malloc((size_t)(T * k * 4));
     for (int64_t i = 0; i < T * k; i++)
@@ -92,6 +93,8 @@ static void permute_case(fm_context *ctx, int it)
     int32_t *wmap = malloc((size_t)(R * 4)), *wslot = malloc((size_t)(T * k * 4));
     for (int64_t r = 0; r < R; r++)
         wmap[r] = -1;
+    for (int64_t i = 0; i < T * k; i++)
+        wslot[i] = -1;
     int64_t row = 0;
     for (int64_t e = 0; e < E; e++) {
         for (int64_t t = 0; t < T; t++)
@@ -201,7 +204,12 @@ static void unpermute_case(fm_context *ctx, int it)
     }
     for (int64_t r = 0; r < R; r++)
         rm[r] = -1;
+    /* every 4th case drops some slots (-1: no expert here), token 0 all of them */
     for (int64_t s = 0; s < T * k; s++) {
+        if (it % 4 == 3 && (s < k || tu_randint(0, 2) == 0)) {
+            sr[s] = -1;
+            continue;
+        }
         sr[s] = perm[s];
         rm[perm[s]] = (int32_t)s;
     }
@@ -211,7 +219,7 @@ static void unpermute_case(fm_context *ctx, int it)
         yf[i] = (float)tu_normal();
     for (int64_t i = 0; i < T * H; i++)
         dof[i] = (float)tu_normal();
-    if (H > 3 && T > 1)
+    if (H > 3 && T > 1 && sr[k] >= 0)
         yf[sr[k] * H + 2] = NAN; /* token 1's first choice */
     for (int64_t i = 0; i < T * k; i++)
         w[i] = (float)tu_uniform();
@@ -230,7 +238,8 @@ static void unpermute_case(fm_context *ctx, int it)
         for (int64_t h = 0; h < H; h++) {
             float acc = 0.0f;
             for (int64_t j = 0; j < k; j++)
-                acc = fmaf(use_p ? w[t * k + j] : 1.0f, yf[sr[t * k + j] * H + h], acc);
+                if (sr[t * k + j] >= 0)
+                    acc = fmaf(use_p ? w[t * k + j] : 1.0f, yf[sr[t * k + j] * H + h], acc);
             uint32_t want = odt == FM_DTYPE_F32 ? tu_f32_bits(acc != acc ? NAN : acc)
                                                 : or_encode(OF_BF16, (double)acc);
             if (acc != acc)
@@ -264,6 +273,10 @@ static void unpermute_case(fm_context *ctx, int it)
             for (int64_t j = 0; j < k; j++) {
                 float a[128], b[128];
                 double fd = 0, mag = 0;
+                if (sr[t * k + j] < 0) {
+                    CHECK_EQ_U(((uint32_t *)dp.p)[t * k + j], 0u, "%s: dprobs of a -1 slot", c);
+                    continue;
+                }
                 for (int64_t h = 0; h < H; h++) {
                     a[h] = dof[t * H + h];
                     b[h] = yf[sr[t * k + j] * H + h];
@@ -302,7 +315,7 @@ int main(void)
 {
     tu_begin("test_moe_permute_matches_composition");
     fm_context *ctx = tu_cpu_context(2);
-    for (int it = 0; it < 150; it++)
+    for (int it = 0; it < 180; it++)
         permute_case(ctx, it);
     for (int it = 0; it < 80; it++)
         unpermute_case(ctx, it);
@@ -335,9 +348,9 @@ int main(void)
         ids[3] = (int32_t)E;
         CHECK(fm_moe_permute(ctx, &cfg, &tx, &tid, NULL, &to, &trm, &tsr, &tsp, NULL, NULL) == FM_ERR_INVALID_ARG &&
                   strstr(fm_last_error(ctx), "expert_ids"), "id out of range: %s", fm_last_error(ctx));
-        ids[3] = -1;
+        ids[3] = -2;
         CHECK(fm_moe_permute(ctx, &cfg, &tx, &tid, NULL, &to, &trm, &tsr, &tsp, NULL, NULL) == FM_ERR_INVALID_ARG,
-              "negative id");
+              "negative id other than -1");
         ids[3] = 0;
         fm_tensor op = fm_tensor_2d(back, FM_DTYPE_F32, R, 1);
         CHECK(fm_moe_permute(ctx, &cfg, &tx, &tid, NULL, &to, &trm, &tsr, &tsp, &op, NULL) == FM_ERR_INVALID_ARG &&

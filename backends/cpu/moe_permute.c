@@ -66,13 +66,15 @@ fm_status fm_cpu_moe_permute(fm_context *ctx, const fm_permute_config *cfg, cons
         return fm_error(ctx, FM_ERR_OUT_OF_MEMORY, "fm_moe_permute: out of host memory for %lld experts",
                         (long long)E);
     for (int64_t i = 0; i < T * k; i++) {
-        if (ids[i] < 0 || ids[i] >= E) {
+        if (ids[i] < -1 || ids[i] >= E) {
             free(start);
             return fm_error(ctx, FM_ERR_INVALID_ARG,
-                            "expert_ids: entry [%lld, %lld] is %d, outside [0, E = %lld) (E = splits' columns)",
+                            "expert_ids: entry [%lld, %lld] is %d, outside [0, E = %lld) and not -1 (no expert) "
+                            "(E = splits' columns)",
                             (long long)(i / k), (long long)(i % k), (int)ids[i], (long long)E);
         }
-        start[ids[i]]++;
+        if (ids[i] >= 0)
+            start[ids[i]]++;
     }
     int64_t need = 0;
     for (int64_t e = 0; e < E; e++)
@@ -95,6 +97,10 @@ fm_status fm_cpu_moe_permute(fm_context *ctx, const fm_permute_config *cfg, cons
         rm[r] = -1;
     /* slots in increasing t * k + j: rows inside an expert follow the token */
     for (int64_t i = 0; i < T * k; i++) {
+        if (ids[i] < 0) {
+            sr[i] = -1;
+            continue;
+        }
         int64_t row = start[ids[i]]++;
         sr[i] = (int32_t)row;
         rm[row] = (int32_t)i;

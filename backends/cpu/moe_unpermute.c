@@ -33,6 +33,8 @@ static void combine_tokens(void *arg, int64_t begin, int64_t end, int worker)
         for (int64_t h = 0; h < jb->H; h++)
             acc[h] = 0.0f;
         for (int64_t j = 0; j < jb->k; j++) {
+            if (sr[t * jb->k + j] < 0)
+                continue;
             float wj = w ? w[t * jb->k + j] : 1.0f;
             fm_cpu_load_row(jb->y->data, jb->y->dtype, (int64_t)sr[t * jb->k + j] * jb->H, jb->H, row);
             for (int64_t h = 0; h < jb->H; h++)
@@ -47,7 +49,7 @@ fm_status fm_cpu_moe_unpermute(fm_context *ctx, const fm_tensor *y, const fm_ten
                                const fm_tensor *probs, fm_tensor *out)
 {
     int64_t T = slot_rows->shape[0], H = y->shape[1];
-    fm_status st = check_rows_in(ctx, slot_rows, "slot_rows", 0, y->shape[0]);
+    fm_status st = check_rows_in(ctx, slot_rows, "slot_rows", -1, y->shape[0]);
     if (st)
         return st;
     float *scratch = malloc((size_t)FM_CPU_MAX_WORKERS * 2 * (size_t)(H ? H : 1) * sizeof(float));
@@ -89,6 +91,10 @@ static void dot_slots(void *arg, int64_t begin, int64_t end, int worker)
     for (int64_t t = begin; t < end; t++) {
         fm_cpu_load_row(jb->dout->data, jb->dout->dtype, t * jb->H, jb->H, a);
         for (int64_t j = 0; j < jb->k; j++) {
+            if (sr[t * jb->k + j] < 0) {
+                dp[t * jb->k + j] = 0.0f;
+                continue;
+            }
             fm_cpu_load_row(jb->y->data, jb->y->dtype, (int64_t)sr[t * jb->k + j] * jb->H, jb->H, b);
             dp[t * jb->k + j] = fm_dot_order_f32(a, b, jb->H);
         }
@@ -102,7 +108,7 @@ fm_status fm_cpu_moe_unpermute_backward(fm_context *ctx, const fm_tensor *dout, 
     int64_t T = dout->shape[0], H = dout->shape[1], k = slot_rows->shape[1], R = dy->shape[0];
     fm_status st = check_rows_in(ctx, row_map, "row_map", -1, T * k);
     if (!st && dprobs)
-        st = check_rows_in(ctx, slot_rows, "slot_rows", 0, R);
+        st = check_rows_in(ctx, slot_rows, "slot_rows", -1, R);
     if (st)
         return st;
     float *scratch = malloc((size_t)FM_CPU_MAX_WORKERS * 2 * (size_t)(H ? H : 1) * sizeof(float));

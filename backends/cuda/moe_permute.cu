@@ -1,7 +1,8 @@
 /* CUDA permute + pad, bit-exact with backends/cpu/moe_permute.c, without a
  * host synchronisation (unless host_splits is asked for):
  *   1. count the slots per expert (atomic adds: counts are order-free) and
- *      flag ids out of range;
+ *      flag ids out of range (-1, a slot with no expert, is skipped: its
+ *      slot_rows entry keeps the -1 the memset put there);
  *   2. one thread: padded sizes, offsets, splits, and a flag when the
  *      routing needs more than R rows;
  *   3. one block per expert ranks its slots in slot order with ballots and
@@ -21,6 +22,8 @@ __global__ void perm_count_kernel(const int32_t *ids, int64_t n, int E, unsigned
 {
     for (int64_t s = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; s < n; s += (int64_t)gridDim.x * blockDim.x) {
         int e = ids[s];
+        if (e == -1)
+            continue;
         if (e < 0 || e >= E)
             atomicOr(flag, PERM_BAD_ID);
         else
@@ -136,6 +139,8 @@ extern "C" fm_status fm_cuda_moe_permute(fm_context *ctx, const fm_permute_confi
     cudaError_t err = cudaMemsetAsync(scr, 0, bytes, s);
     if (err == cudaSuccess && R > 0)
         err = cudaMemsetAsync(row_map->data, 0xFF, (size_t)R * 4, s); /* -1 */
+    if (err == cudaSuccess && n > 0)
+        err = cudaMemsetAsync(slot_rows->data, 0xFF, (size_t)n * 4, s); /* -1: slots with no expert */
     if (err == cudaSuccess) {
         if (n > 0)
             perm_count_kernel<<<(unsigned)((n + 255) / 256 < 1024 ? (n + 255) / 256 : 1024), 256, 0, s>>>(
@@ -171,7 +176,7 @@ extern "C" fm_status fm_cuda_moe_permute(fm_context *ctx, const fm_permute_confi
     if ((st = fm_cuda_leave(ctx, &g, err, "fm_moe_permute")))
         return st;
     if (hflag & PERM_BAD_ID)
-        return fm_error(ctx, FM_ERR_INVALID_ARG, "expert_ids: holds an id outside [0, E = %lld) (E = splits' columns)",
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "expert_ids: holds an id outside [0, E = %lld) that is not -1 (E = splits' columns)",
                         (long long)E);
     if (hflag & PERM_TOO_FEW_ROWS)
         return fm_error(ctx, FM_ERR_INVALID_ARG,

@@ -2,8 +2,9 @@
  * backends/cpu/moe_unpermute.c: the combine is the same fmaf chain in choice
  * order per element (one block per token, threads across H); dprobs is one
  * warp per (token, choice), lane-strided fmaf and the warp tree of mathfn's
- * fixed order. Row indices out of range are skipped on the device (the CPU
- * refuses them): nothing is read or written out of bounds. */
+ * fixed order. Slot rows of -1 (no expert on this rank) are skipped as the
+ * CPU skips them; other row indices out of range are skipped on the device
+ * too (the CPU refuses them): nothing is read or written out of bounds. */
 #include "cuda.h"
 #include "moe_common.cuh"
 

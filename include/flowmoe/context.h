@@ -80,6 +80,8 @@ typedef enum fm_op {
     FM_OP_MOE_SWIGLU_BACKWARD,
     FM_OP_CAST,                /* fm_cast: between F32, BF16 and F16, unscaled */
     FM_OP_QUANTIZE_GROUPED,
+    FM_OP_EP_DISPATCH,         /* fm_ep_dispatch: bytes = rows sent and received */
+    FM_OP_EP_COMBINE,
     FM_OP_COUNT_ = 32          /* room for later ops; the array below has this size */
 } fm_op;
 

@@ -11,6 +11,7 @@
 #include "flowmoe/transpose.h"
 #include "flowmoe/gemm.h"
 #include "flowmoe/moe.h"
+#include "flowmoe/comm.h"
 #include "flowmoe/layer.h"
 
 #define FLOWMOE_VERSION_MAJOR 0

@@ -79,9 +79,12 @@ typedef struct fm_permute_config {
  *             (probs [T, k] F32 must then be given).
  *   host_splits, optional: int64_t[E] host array that receives P_e too (on
  *             CUDA this waits for the device; leave NULL to stay asynchronous).
- * expert_ids [T, k] I32 must hold ids in [0, E) with E the columns of splits;
- * an id out of range is reported as FM_ERR_INVALID_ARG (on CUDA: detected on
- * the device, reported by the next call that synchronises). */
+ * expert_ids [T, k] I32 must hold ids in [0, E) with E the columns of splits,
+ * or -1: a slot with no expert here (what fm_ep_dispatch writes for the
+ * choices that live on other ranks). A -1 slot takes no row, its slot_rows
+ * entry is -1, and fm_moe_unpermute and its backward skip it. Any other id
+ * out of range is reported as FM_ERR_INVALID_ARG (on CUDA: detected on the
+ * device, reported by the next call that synchronises). */
 fm_status fm_moe_permute(fm_context *ctx, const fm_permute_config *cfg, const fm_tensor *x,
                          const fm_tensor *expert_ids, const fm_tensor *probs, fm_tensor *out, fm_tensor *row_map,
                          fm_tensor *slot_rows, fm_tensor *splits, fm_tensor *out_probs, int64_t *host_splits);
@@ -90,7 +93,9 @@ fm_status fm_moe_permute(fm_context *ctx, const fm_permute_config *cfg, const fm
  * (BF16/F32): out[t] = Σ_{j<k} w_tj · y[slot_rows[t, j]] with w = probs [T, k]
  * F32, or w = 1 when probs is NULL (then it is also the backward of
  * fm_moe_permute for unscaled gradients). In F32, j in order:
- * acc = fmaf(w_tj, y, acc) starting from acc = 0, rounded once to out. */
+ * acc = fmaf(w_tj, y, acc) starting from acc = 0, rounded once to out.
+ * Slots whose slot_rows entry is -1 (no expert here) are skipped; a token
+ * with no slot left gets a zero row. */
 fm_status fm_moe_unpermute(fm_context *ctx, const fm_tensor *y, const fm_tensor *slot_rows, const fm_tensor *probs,
                            fm_tensor *out);
 
@@ -98,7 +103,8 @@ fm_status fm_moe_unpermute(fm_context *ctx, const fm_tensor *y, const fm_tensor 
  * (BF16/F32), dy[slot_rows[t, j]] = w_tj · dout[t] (padding rows zero; row_map
  * tells which rows are padding), and, when probs is given, dprobs [T, k] F32 =
  * the fm_dot_order_f32 dot of dout[t] and y[slot_rows[t, j]] (y, the
- * forward's input, is then required). */
+ * forward's input, is then required); 0 for a slot whose slot_rows entry
+ * is -1. */
 fm_status fm_moe_unpermute_backward(fm_context *ctx, const fm_tensor *dout, const fm_tensor *y,
                                     const fm_tensor *row_map, const fm_tensor *slot_rows, const fm_tensor *probs,
                                     fm_tensor *dy, fm_tensor *dprobs);

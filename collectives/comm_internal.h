@@ -1,0 +1,48 @@
+/* The transport behind an fm_comm: a small vtable that the in-process
+ * reference (inproc.c) and NCCL implement, and that comm.c's dispatch and
+ * combine are written against. Every primitive is collective: each rank of
+ * the group calls it in the same order. A primitive returns FM_ERR_BACKEND
+ * (with a sentence in ctx, which may be NULL) when the group is aborted or
+ * the transport fails; it then leaves the group aborted so that no rank
+ * waits for another that has given up. */
+#ifndef FLOWMOE_COMM_INTERNAL_H
+#define FLOWMOE_COMM_INTERNAL_H
+
+#include "../core/internal.h"
+#include "flowmoe/comm.h"
+
+/* One stream of rows of an all-to-all-v: this rank's packed rows, grouped by
+ * destination, and where the rows it receives land, grouped by source. All
+ * ranks pass the same segments in the same order with the same row_bytes;
+ * recv may be NULL when this rank does not want that stream. */
+typedef struct fm_comm_seg {
+    const void *send;
+    void *recv;
+    int64_t row_bytes;
+} fm_comm_seg;
+
+typedef struct fm_comm_ops {
+    const char *name;
+    /* Fixed-size all-to-all in host memory: block p of send (`bytes` each)
+     * goes to rank p; block p of recv comes from rank p. (NCCL: through a
+     * device staging buffer, then a host copy: the header and counts.) */
+    fm_status (*alltoall)(fm_comm *c, fm_context *ctx, const void *send, void *recv, size_t bytes);
+    /* *all_ok = 1 when every rank passed ok != 0 (NCCL: an allreduce-min). */
+    fm_status (*agree)(fm_comm *c, fm_context *ctx, int ok, int *all_ok);
+    /* Rows [send_off[p], send_off[p + 1]) of every segment go to rank p and
+     * arrive at rows [recv_off[q], recv_off[q + 1]) of the receiver's segment
+     * when they come from rank q (NCCL: grouped ncclSend/ncclRecv, one pair
+     * per peer and segment). */
+    fm_status (*alltoallv)(fm_comm *c, fm_context *ctx, int nseg, const fm_comm_seg *segs, const int64_t *send_off,
+                           const int64_t *recv_off);
+    void (*abort)(fm_comm *c);
+    void (*destroy)(fm_comm *c);
+} fm_comm_ops;
+
+struct fm_comm {
+    const fm_comm_ops *ops;
+    int rank, size;
+    fm_device device;     /* where dispatch and combine tensors must live */
+};
+
+#endif
