@@ -46,17 +46,21 @@ void fm_comm_abort(fm_comm *comm)
         comm->ops->abort(comm);
 }
 
-#ifndef FM_HAVE_NCCL
 fm_status fm_comm_create_nccl(fm_context *ctx, void *nccl_comm, fm_comm **out)
 {
     (void)nccl_comm;
     if (out)
         *out = NULL;
+#ifdef FM_HAVE_NCCL
+    return fm_error(ctx, FM_ERR_UNSUPPORTED,
+                    "fm_comm_create_nccl: the NCCL transport is not implemented yet in this flowmoe (issue 9); "
+                    "use fm_comm_create_inproc for in-process ranks");
+#else
     return fm_error(ctx, FM_ERR_UNSUPPORTED,
                     "fm_comm_create_nccl: this flowmoe was built without NCCL (meson option nccl, which needs "
                     "the CUDA backend); use fm_comm_create_inproc for in-process ranks");
-}
 #endif
+}
 
 /* ---- routing ------------------------------------------------------------- */
 
