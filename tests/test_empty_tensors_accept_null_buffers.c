@@ -74,6 +74,16 @@ int main(void)
                     st = fm_convert_scaled(ctx, &rc, &row, &conv);
                     CHECK(st == FM_OK && bad == 0, "%s: fm_convert_scaled: %s \"%s\", nonfinite %lld", what,
                           fm_status_name(st), fm_last_error(ctx), (long long)bad);
+                    /* Per-expert, with empty groups around the rows. */
+                    int64_t sizes[3] = {0, R, 0};
+                    fm_splits sp = {3, sizes, NULL};
+                    if (row.ndim == 2 && (dt != FM_DTYPE_E2M1 || R % 2 == 0)) {
+                        bad = -1;
+                        st = fm_transpose_scaled_grouped(ctx, &rc, &sp, &row, &col);
+                        CHECK(st == FM_OK && bad == 0,
+                              "%s: fm_transpose_scaled_grouped: %s \"%s\", nonfinite %lld", what,
+                              fm_status_name(st), fm_last_error(ctx), (long long)bad);
+                    }
                 }
             }
     fm_context_destroy(ctx);

@@ -257,6 +257,12 @@ fm_status fm_cpu_requantize_grouped(fm_context *ctx, const fm_requant_config *cf
                                     const fm_tensor *in, fm_tensor *out)
 {
     const int64_t G = splits->groups, R = in->shape[0], N = in->shape[1];
+    /* Nothing to move, and the buffers may be NULL (no pointer arithmetic on them). */
+    if (R == 0 || N == 0) {
+        if (cfg->nonfinite_blocks)
+            *cfg->nonfinite_blocks = 0;
+        return FM_OK;
+    }
     int64_t max_rows = 0;
     for (int64_t g = 0; g < G; g++)
         max_rows = splits->host[g] > max_rows ? splits->host[g] : max_rows;
