@@ -502,6 +502,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fm_stats_get(g_ctx, &before);
     arena_snapshot(&a);
     fm_status st = FM_OK;
+    /* Optional arguments left out are NULLed in tp too, so that the
+     * disjointness oracle judges only what the call was given. */
     fm_tensor **t = tp;
     switch (op) {
     case OP_QUANTIZE: st = fm_quantize(ctx, pq, t[0], t[1], t[2]); break;
@@ -516,24 +518,24 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     case OP_LIN_WGRAD: st = fm_linear_wgrad(ctx, pg, t[0], t[1], t[2]); break;
     case OP_GROUPED_GEMM: st = fm_grouped_gemm(ctx, pg, (flags & 4) ? NULL : &sp, t[0], t[1], t[2]); break;
     case OP_GROUPED_WGRAD: st = fm_grouped_gemm_wgrad(ctx, pg, (flags & 4) ? NULL : &sp, t[0], t[1], t[2]); break;
-    case OP_ROUTER: st = fm_moe_router(ctx, pro, t[0], t[1], t[2], (flags & 8) ? NULL : t[3]); break;
+    case OP_ROUTER: st = fm_moe_router(ctx, pro, t[0], t[1], t[2], (t[3] = (flags & 8) ? NULL : t[3])); break;
     case OP_ROUTER_BWD: st = fm_moe_router_backward(ctx, pro, t[0], t[1], t[2], t[3]); break;
     case OP_PERMUTE:
-        st = fm_moe_permute(ctx, pp, t[0], t[1], (flags & 8) ? NULL : t[2], t[3], t[4], t[5], t[6],
-                            (flags & 8) ? NULL : t[7], host_splits);
+        st = fm_moe_permute(ctx, pp, t[0], t[1], (t[2] = (flags & 8) ? NULL : t[2]), t[3], t[4], t[5], t[6],
+                            (t[7] = (flags & 8) ? NULL : t[7]), host_splits);
         break;
-    case OP_UNPERMUTE: st = fm_moe_unpermute(ctx, t[0], t[1], (flags & 8) ? NULL : t[2], t[3]); break;
+    case OP_UNPERMUTE: st = fm_moe_unpermute(ctx, t[0], t[1], (t[2] = (flags & 8) ? NULL : t[2]), t[3]); break;
     case OP_UNPERMUTE_BWD:
-        st = fm_moe_unpermute_backward(ctx, t[0], t[1], t[2], t[3], (flags & 8) ? NULL : t[4], t[5],
-                                       (flags & 8) ? NULL : t[6]);
+        st = fm_moe_unpermute_backward(ctx, t[0], t[1], t[2], t[3], (t[4] = (flags & 8) ? NULL : t[4]), t[5],
+                                       (t[6] = (flags & 8) ? NULL : t[6]));
         break;
     case OP_SWIGLU:
-        st = fm_moe_swiglu(ctx, pq, t[0], (flags & 8) ? NULL : t[1], t[2], (flags & 4) ? NULL : t[3],
-                           (flags & 4) ? t[4] : NULL);
+        st = fm_moe_swiglu(ctx, pq, t[0], (t[1] = (flags & 8) ? NULL : t[1]), t[2], (t[3] = (flags & 4) ? NULL : t[3]),
+                           (t[4] = (flags & 4) ? t[4] : NULL));
         break;
     case OP_SWIGLU_BWD:
-        st = fm_moe_swiglu_backward(ctx, pq, t[0], t[1], (flags & 8) ? NULL : t[2], t[3], (flags & 4) ? NULL : t[4],
-                                    (flags & 8) ? NULL : t[5]);
+        st = fm_moe_swiglu_backward(ctx, pq, t[0], t[1], (t[2] = (flags & 8) ? NULL : t[2]), t[3], (t[4] = (flags & 4) ? NULL : t[4]),
+                                    (t[5] = (flags & 8) ? NULL : t[5]));
         break;
     default: break;
     }
