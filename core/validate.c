@@ -57,10 +57,20 @@ fm_status fm_check_tensor(fm_context *ctx, const fm_tensor *t, const char *name,
             return fm_error(ctx, FM_ERR_INVALID_ARG,
                             "%s: E2M1 elements need scale_mode MX32 (MXFP4), got %s", name,
                             fm_scale_mode_name(t->scale_mode));
+    }
+    /* Any scaled tensor, whatever the op accepts it as: the scale entries'
+     * size follows from scale_dtype, and a backend reads what the mode says. */
+    if (t->scale_mode != FM_SCALE_NONE) {
+        if (t->scale_mode == FM_SCALE_NV16)
+            return fm_error(ctx, FM_ERR_UNSUPPORTED, "%s: scale_mode NV16 (NVFP4) is reserved and not implemented",
+                            name);
         fm_dtype want = fm_scale_mode_dtype(t->scale_mode);
         if (t->scale_dtype != want)
             return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: scale_mode %s needs scale_dtype %s, got %s", name,
                             fm_scale_mode_name(t->scale_mode), fm_dtype_name(want), fm_dtype_name(t->scale_dtype));
+        if (fm_tensor_scale_nbytes(t) < 0)
+            return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: the scale array of scale_mode %s over this shape is too "
+                            "large to address", name, fm_scale_mode_name(t->scale_mode));
     }
     if (t->dtype == FM_DTYPE_E2M1 && (fm_tensor_stored_cols(t) & 1))
         return fm_error(ctx, FM_ERR_INVALID_ARG,

@@ -135,6 +135,9 @@ int main(void)
     CASE(OP_GEMM, (c.a = fm_tensor_2d(c.a.data, FM_DTYPE_BF16, 64, 256), c.b = fm_tensor_2d(c.b.data, FM_DTYPE_BF16, 32, 256), c.b.scale_mode = FM_SCALE_TENSOR, c.b.scale = arena), "b: BF16 operands of a GEMM are unscaled");
     CASE(OP_GEMM, (c.cfg.accumulate = 1, c.d.dtype = FM_DTYPE_BF16), "d: cfg->accumulate adds into the output, which must then be F32");
     CASE(OP_GEMM, (c.cfg.accumulate = 2), "cfg->accumulate: must be 0 or 1");
+    /* Found by fuzz_descriptor_validation: a scale_dtype that does not fit the
+     * mode once made the scale size unknown and slipped past scale_capacity. */
+    CASE(OP_WGRAD, (c.b.scale_dtype = FM_DTYPE_I32, c.b.scale_capacity = 64), "x: scale_mode BLOCK_1x128 needs scale_dtype F32");
     CASE(OP_GEMM, (c.d.dtype = FM_DTYPE_F16), "d: the GEMM output dtype must be BF16 or F32");
     CASE(OP_GEMM, (c.d.layout = FM_LAYOUT_COLWISE), "d: must be row-wise");
     CASE(OP_GEMM, (c.d.data = arena + 1024, c.d.dtype = FM_DTYPE_BF16), "overlap");
