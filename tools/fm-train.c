@@ -31,7 +31,8 @@
 static const char *prog = "fm-train";
 
 #define MAX_DIM 65536
-#define LAST_STEPS 10 /* the final loss is the mean over these */
+#define LAST_STEPS 10 /* the training-loss column is the mean over these */
+#define EVAL_BATCHES 8 /* held-out batches every recipe's final weights are judged on */
 
 /* ---- options ------------------------------------------------------------- */
 
@@ -309,6 +310,12 @@ typedef struct {
     double *loss;           /* [steps] */
     double seconds;         /* this recipe's share of the run */
     int64_t measured_casts; /* last step: explicit casts around every layer call */
+    /* Read from the layers after the last training step (an evaluation
+     * forward would overwrite them): layer 0's casts per step, and the saved
+     * activation bytes averaged over the layers. */
+    int64_t info_casts, info_casts_sum; /* layer 0's, all layers' */
+    double info_saved;
+    double eval_loss;       /* mean loss of the final weights on the held-out batches */
 } student;
 
 typedef struct {
@@ -415,22 +422,26 @@ static fm_tensor act_tensor(trainer *tr, float *p)
 }
 
 /* One optimizer step of student s on batch x -> target y. */
-static int train_step(trainer *tr, student *s, int64_t step, const float *x, const float *y)
+/* The host masters to the device and the layers' low-precision copies. */
+static int refresh(trainer *tr, student *s)
 {
-    const int64_t L = tr->o->layers, TH = tr->T * tr->H;
-    const size_t act_bytes = (size_t)TH * sizeof(float);
-    double t0 = now_s();
-    int64_t casts = 0;
-    fm_tensor a = act_tensor(tr, tr->dev_a), b = act_tensor(tr, tr->dev_b);
-
-    for (int64_t l = 0; l < L; l++) {
+    for (int64_t l = 0; l < tr->o->layers; l++) {
         block *bl = &s->blocks[l];
         CALL("weights to the device", to_dev(tr, bl->dev.router, bl->p[P_ROUTER], (size_t)tr->count[P_ROUTER] * 4));
         CALL("weights to the device", to_dev(tr, bl->dev.w1, bl->p[P_W1], (size_t)tr->count[P_W1] * 4));
         CALL("weights to the device", to_dev(tr, bl->dev.w2, bl->p[P_W2], (size_t)tr->count[P_W2] * 4));
         CALL("fm_moe_layer_refresh_weights", fm_moe_layer_refresh_weights(bl->layer, &bl->dev));
     }
-    /* forward */
+    return 0;
+}
+
+/* The model on x; the output lands in tr->out. Adds the explicit casts of
+ * the layer calls to *casts. */
+static int forward(trainer *tr, student *s, const float *x, int64_t *casts)
+{
+    const int64_t L = tr->o->layers, TH = tr->T * tr->H;
+    const size_t act_bytes = (size_t)TH * sizeof(float);
+    fm_tensor b = act_tensor(tr, tr->dev_b);
     memcpy(s->blocks[0].x, x, act_bytes);
     for (int64_t l = 0; l < L; l++) {
         block *bl = &s->blocks[l];
@@ -439,12 +450,24 @@ static int train_step(trainer *tr, student *s, int64_t step, const float *x, con
         fm_tensor in = act_tensor(tr, bl->dev_x);
         int64_t c0 = explicit_casts(tr->ctx);
         CALL("fm_moe_layer_forward", fm_moe_layer_forward(bl->layer, &bl->dev, &in, &b));
-        casts += explicit_casts(tr->ctx) - c0;
+        *casts += explicit_casts(tr->ctx) - c0;
         CALL("activations to the host", to_host(tr, tr->out, tr->dev_b, act_bytes));
         float *next = l + 1 < L ? s->blocks[l + 1].x : tr->out;
         for (int64_t i = 0; i < TH; i++)
             next[i] = bl->x[i] + tr->out[i];
     }
+    return 0;
+}
+
+static int train_step(trainer *tr, student *s, int64_t step, const float *x, const float *y)
+{
+    const int64_t L = tr->o->layers, TH = tr->T * tr->H;
+    const size_t act_bytes = (size_t)TH * sizeof(float);
+    double t0 = now_s();
+    int64_t casts = 0;
+    fm_tensor a = act_tensor(tr, tr->dev_a), b = act_tensor(tr, tr->dev_b);
+    if (refresh(tr, s) || forward(tr, s, x, &casts))
+        return 1;
     /* loss = mean((out - y)²) and its gradient */
     double loss = 0;
     for (int64_t i = 0; i < TH; i++) {
@@ -481,6 +504,48 @@ static int train_step(trainer *tr, student *s, int64_t step, const float *x, con
     }
     s->measured_casts = casts;
     s->seconds += now_s() - t0;
+    return 0;
+}
+
+/* The layer facts of the last training step, before evaluation forwards
+ * overwrite them. */
+static void keep_info(const trainer *tr, student *s)
+{
+    s->info_casts = -1;
+    s->info_casts_sum = 0;
+    s->info_saved = 0;
+    for (int64_t l = 0; l < tr->o->layers; l++) {
+        fm_moe_layer_info info;
+        if (fm_moe_layer_get_info(s->blocks[l].layer, &info) == FM_OK) {
+            s->info_casts_sum += info.casts_per_step;
+            s->info_saved += (double)info.saved_bytes / (double)tr->o->layers;
+            if (l == 0)
+                s->info_casts = info.casts_per_step;
+        }
+    }
+}
+
+/* The final weights on held-out batches, the same for every recipe: the
+ * training loss of the last steps moves with each fresh batch by more than
+ * the gaps between recipes, this does not. */
+static int evaluate(trainer *tr, student *s, const float *xs, const float *ys)
+{
+    const int64_t TH = tr->T * tr->H;
+    int64_t casts = 0;
+    double sum = 0;
+    if (refresh(tr, s))
+        return 1;
+    for (int b = 0; b < EVAL_BATCHES; b++) {
+        if (forward(tr, s, xs + b * TH, &casts))
+            return 1;
+        double l = 0;
+        for (int64_t i = 0; i < TH; i++) {
+            double d = (double)tr->out[i] - ys[b * TH + i];
+            l += d * d;
+        }
+        sum += l / (double)TH;
+    }
+    s->eval_loss = sum / EVAL_BATCHES;
     return 0;
 }
 
@@ -554,31 +619,20 @@ static void print_table(const trainer *tr, const student *st)
     double base = NAN;
     for (int r = 0; r < o->nrecipes; r++)
         if (st[r].recipe == FM_RECIPE_BF16)
-            base = final_loss(&st[r], o->steps);
+            base = st[r].eval_loss;
     int64_t n = o->steps < LAST_STEPS ? o->steps : LAST_STEPS;
-    printf("\n| recipe | final loss (mean of last %lld) | gap to bf16 | casts / layer-step | "
-           "saved for backward / layer | tokens/s |\n",
-           (long long)n);
-    printf("|---|---:|---:|---:|---:|---:|\n");
+    printf("\n| recipe | final loss (%d held-out batches) | gap to bf16 | training loss (last %lld) | "
+           "casts / layer-step | saved for backward / layer | tokens/s |\n",
+           EVAL_BATCHES, (long long)n);
+    printf("|---|---:|---:|---:|---:|---:|---:|\n");
     for (int r = 0; r < o->nrecipes; r++) {
         const student *s = &st[r];
-        double fl = final_loss(s, o->steps);
         char gap[32] = "-";
         if (!isnan(base) && s->recipe != FM_RECIPE_BF16)
-            snprintf(gap, sizeof gap, "%+.2f%%", 100.0 * (fl - base) / base);
-        /* saved bytes depend on the routing (padding per expert): the mean over layers */
-        double saved = 0;
-        int64_t casts = -1;
-        for (int64_t l = 0; l < o->layers; l++) {
-            fm_moe_layer_info info;
-            if (fm_moe_layer_get_info(s->blocks[l].layer, &info) == FM_OK) {
-                saved += (double)info.saved_bytes / (double)o->layers;
-                if (l == 0)
-                    casts = info.casts_per_step;
-            }
-        }
-        printf("| %s | %.4e | %s | %lld | %.0f B (%.1f KiB) | %.0f |\n", fm_recipe_name(s->recipe), fl, gap,
-               (long long)casts, saved, saved / 1024.0, s->seconds > 0 ? (double)(o->tokens * o->steps) / s->seconds : 0);
+            snprintf(gap, sizeof gap, "%+.2f%%", 100.0 * (s->eval_loss - base) / base);
+        printf("| %s | %.4e | %s | %.4e | %lld | %.0f B (%.1f KiB) | %.0f |\n", fm_recipe_name(s->recipe),
+               s->eval_loss, gap, final_loss(s, o->steps), (long long)s->info_casts, s->info_saved,
+               s->info_saved / 1024.0, s->seconds > 0 ? (double)(o->tokens * o->steps) / s->seconds : 0);
     }
 }
 
@@ -586,16 +640,11 @@ static void print_table(const trainer *tr, const student *st)
  * statistics measured around each call; a mismatch means one of them is wrong. */
 static void check_casts(const trainer *tr, const student *s)
 {
-    int64_t sum = 0;
-    for (int64_t l = 0; l < tr->o->layers; l++) {
-        fm_moe_layer_info info;
-        if (fm_moe_layer_get_info(s->blocks[l].layer, &info) == FM_OK)
-            sum += info.casts_per_step;
-    }
-    if (sum != s->measured_casts)
+    (void)tr;
+    if (s->info_casts_sum != s->measured_casts)
         fprintf(stderr, "%s: warning: %s: the layers report %lld casts per step in all, the context statistics "
                         "counted %lld around the layer calls\n",
-                prog, fm_recipe_name(s->recipe), (long long)sum, (long long)s->measured_casts);
+                prog, fm_recipe_name(s->recipe), (long long)s->info_casts_sum, (long long)s->measured_casts);
 }
 
 /* ---- main ---------------------------------------------------------------- */
@@ -713,6 +762,28 @@ static int run(trainer *tr, student *st)
     if (rc)
         goto done;
     double wall = now_s() - wall0;
+    for (int r = 0; r < o->nrecipes; r++)
+        keep_info(tr, &st[r]);
+    {
+        float *xs = malloc((size_t)(EVAL_BATCHES * T * H) * sizeof *xs), *ys = malloc((size_t)(EVAL_BATCHES * T * H) * sizeof *ys);
+        tr_rng held;
+        tr_rng_seed(&held, o->seed ^ 0x686f6c646f757421u);
+        rc = !xs || !ys;
+        if (rc)
+            fprintf(stderr, "%s: out of host memory\n", prog);
+        for (int b = 0; b < EVAL_BATCHES && !rc; b++) {
+            tr_fill_normal(&held, xs + b * T * H, T * H, 1.0);
+            if (tr_teacher_forward(&teacher, xs + b * T * H, T, ys + b * T * H)) {
+                fprintf(stderr, "%s: out of host memory\n", prog);
+                rc = 1;
+            }
+        }
+        for (int r = 0; r < o->nrecipes && !rc; r++)
+            rc = evaluate(tr, &st[r], xs, ys);
+        free(xs), free(ys);
+    }
+    if (rc)
+        goto done;
     print_table(tr, st);
     for (int r = 0; r < o->nrecipes; r++)
         check_casts(tr, &st[r]);
