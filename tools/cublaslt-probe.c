@@ -1,4 +1,10 @@
-/* Which FP8/BF16/F32 products cuBLASLt 13 on this GPU has an algorithm for. */
+/* Which FP8 / BF16 / F32 products cuBLASLt has an algorithm for on this GPU:
+ * one line per (types, scale modes, m, n, k, ops) with the heuristic's
+ * answer. The CUDA GEMMs refuse what it refuses (FM_ERR_UNSUPPORTED); on an
+ * H100 with cuBLASLt 13.0 it showed FP8 needs m (our N) a multiple of 8 and,
+ * with VEC128 / BLK128x128 scales, n (our M) a multiple of 8 and k of 128.
+ * Not built by meson (a diagnostic for a GPU machine):
+ *   nvcc -o lt-probe tools/cublaslt-probe.c -lcublasLt && ./lt-probe */
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 #include <stdio.h>
