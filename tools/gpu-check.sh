@@ -67,7 +67,7 @@ fi
 step "meson test --suite gpu" 200 "$OUT/tests.log" meson test -C "$B" --suite gpu --num-processes 1 --print-errorlogs
 cat "$B/meson-logs/testlog.txt" >>"$OUT/tests.log" 2>/dev/null
 grep -E "^ *[0-9]+/[0-9]+ .*(OK|FAIL|SKIP|TIMEOUT|ERROR)" "$OUT/tests.log" | head -20 >>"$summary"
-grep -E "^(quantize|dequantize|scale_layout_convert|transpose_scaled|convert_scaled) +[0-9]+ passed" "$OUT/tests.log" >>"$summary"
+grep -E "^[a-z_]+ +[0-9]+ passed" "$OUT/tests.log" >>"$summary"
 
 # ---- fm-bench -------------------------------------------------------------------
 step "fm-bench" 120 "$OUT/bench.md" "$B/tools/fm-bench"
