@@ -152,7 +152,7 @@ static void plan(fm_moe_layer *L, planner *p)
     int64_t T = c->max_tokens, E = c->experts, H = c->hidden, I = c->ffn, k = c->topk, R = max_rows(c);
     fm_recipe rc = c->recipe;
     const fm_dtype B = FM_DTYPE_BF16, Q = FM_DTYPE_E4M3, F4 = FM_DTYPE_E2M1;
-    const fm_scale_mode S = FM_SCALE_BLOCK_1x128, MX = FM_SCALE_MX32, W = FM_SCALE_BLOCK_128x128;
+    const fm_scale_mode S = FM_SCALE_BLOCK_1x128, MX = FM_SCALE_MX32;
 
     L->logits = take(p, T * E * 4);
     L->ids = take(p, T * k * 4);
@@ -180,7 +180,6 @@ static void plan(fm_moe_layer *L, planner *p)
         L->w2.d = take(p, E * H * I), L->w2.s = take(p, b2);
         L->w2t.d = take(p, E * H * I), L->w2t.s = take(p, b2);
     }
-    (void)W;
 
     /* forward */
     switch (rc) {
