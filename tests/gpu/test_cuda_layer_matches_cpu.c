@@ -1,5 +1,5 @@
-/* One MoE layer step (forward + backward, every recipe) on CUDA against the
- * CPU backend from the same weights and data: y, dx and the three weight
+/* One MoE layer step (forward + backward, every recipe) on CUDA is the same
+ * bits run to run, and against the CPU backend from the same weights and data: y, dx and the three weight
  * gradients within a relative Frobenius error bound. The GEMMs may differ
  * by their tolerance (cuBLASLt sums in F32, the CPU in double), and an FP8
  * recipe re-quantizes GEMM outputs, where such a difference can move a value
@@ -95,6 +95,33 @@ int main(void)
         GT_CHECK(sc_ == FM_OK, "%s on CPU: %s", rn, fm_last_error(cpu));
         fm_status sg = step(gpu, &cfg, &d, T, H);
         GT_CHECK(sg == FM_OK, "%s on CUDA: %s", rn, fm_last_error(gpu));
+        /* Run to run on CUDA: the same step from the same inputs gives the same bits. */
+        static const int outs2[] = {Y, DX, GR, G1, G2};
+        float *first[5] = {0};
+        for (int o = 0; o < 5 && sg == FM_OK; o++) {
+            int i = outs2[o];
+            first[o] = malloc((size_t)n[i] * 4);
+            GT_CHECK(fm_context_copy(gpu, first[o], FM_DEVICE_HOST, d.p[i], FM_DEVICE_CUDA, (size_t)n[i] * 4) == FM_OK,
+                     "copy back");
+        }
+        for (int i = 0; i < NB && sg == FM_OK; i++)
+            GT_CHECK(fm_context_copy(gpu, d.p[i], FM_DEVICE_CUDA, h.p[i], FM_DEVICE_HOST, (size_t)n[i] * 4) == FM_OK,
+                     "copy: %s", fm_last_error(gpu));
+        if (sg == FM_OK) {
+            fm_status s2 = step(gpu, &cfg, &d, T, H);
+            GT_CHECK(s2 == FM_OK, "%s on CUDA, second run: %s", rn, fm_last_error(gpu));
+            for (int o = 0; o < 5 && s2 == FM_OK; o++) {
+                int i = outs2[o];
+                float *g = malloc((size_t)n[i] * 4);
+                GT_CHECK(fm_context_copy(gpu, g, FM_DEVICE_HOST, d.p[i], FM_DEVICE_CUDA, (size_t)n[i] * 4) == FM_OK,
+                         "copy back");
+                GT_CHECK(memcmp(g, first[o], (size_t)n[i] * 4) == 0, "%s: output %d differs between two CUDA runs",
+                         rn, o);
+                free(g);
+            }
+        }
+        for (int o = 0; o < 5; o++)
+            free(first[o]);
         if (sc_ == FM_OK && sg == FM_OK) {
             static const int outs[] = {Y, DX, GR, G1, G2};
             static const char *on[] = {"y", "dx", "grad_router", "grad_w1", "grad_w2"};
