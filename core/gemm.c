@@ -263,38 +263,6 @@ fm_status fm_linear_wgrad(fm_context *ctx, const fm_gemm_config *cfg, const fm_t
     return dense(ctx, cfg, &ody, &ox, dw, "dw", "fm_linear_wgrad");
 }
 
-/* Host split sizes: present, non-negative, summing to `total`. */
-static fm_status check_splits(fm_context *ctx, const fm_splits *splits, int64_t groups, const char *gname,
-                              int64_t total, const char *tname, const char *op)
-{
-    if (!splits)
-        return fm_error(ctx, FM_ERR_INVALID_ARG, "splits: the pointer is NULL");
-    if (splits->groups != groups)
-        return fm_error(ctx, FM_ERR_INVALID_ARG, "splits->groups: %lld, but %s has %lld experts",
-                        (long long)splits->groups, gname, (long long)groups);
-    if (!splits->host)
-        return fm_error(ctx, FM_ERR_INVALID_ARG,
-                        "splits->host: NULL; %s needs the split sizes on the host (the CPU loop and the per-expert "
-                        "cuBLASLt calls are sized on the host)",
-                        op);
-    int64_t sum = 0;
-    for (int64_t g = 0; g < groups; g++) {
-        int64_t m = splits->host[g];
-        if (m < 0)
-            return fm_error(ctx, FM_ERR_INVALID_ARG, "splits->host[%lld]: %lld rows; sizes must be >= 0",
-                            (long long)g, (long long)m);
-        if (m > total - sum)
-            return fm_error(ctx, FM_ERR_INVALID_ARG,
-                            "splits->host: the sizes sum past %s's %lld rows (at expert %lld)", tname,
-                            (long long)total, (long long)g);
-        sum += m;
-    }
-    if (sum != total)
-        return fm_error(ctx, FM_ERR_INVALID_ARG, "splits->host: the sizes sum to %lld but %s has %lld rows",
-                        (long long)sum, tname, (long long)total);
-    return FM_OK;
-}
-
 fm_status fm_grouped_gemm(fm_context *ctx, const fm_gemm_config *cfg_in, const fm_splits *splits,
                           const fm_tensor *a, const fm_tensor *b, fm_tensor *d)
 {
@@ -316,7 +284,7 @@ fm_status fm_grouped_gemm(fm_context *ctx, const fm_gemm_config *cfg_in, const f
                  (long long)rows_of(a), (long long)rows_of(b));
         return shape_error(ctx, "d", want, d);
     }
-    if ((st = check_splits(ctx, splits, b->shape[0], "b", rows_of(a), "a", "fm_grouped_gemm")))
+    if ((st = fm_check_splits(ctx, splits, rows_of(a), "a", b->shape[0], "b", "fm_grouped_gemm")))
         return st;
     if ((st = check_cfg(ctx, &cfg, d, "d")))
         return st;
@@ -339,22 +307,6 @@ fm_status fm_grouped_gemm(fm_context *ctx, const fm_gemm_config *cfg_in, const f
     return FM_OK;
 }
 
-/* Scale entries of the grouped layout: each expert's stored matrix with its
- * own scale array, one after another (fm_transpose_scaled_grouped). */
-static int64_t grouped_scale_count(const fm_tensor *t, const fm_splits *splits)
-{
-    if (t->scale_mode == FM_SCALE_NONE)
-        return 0;
-    int64_t n = 0;
-    for (int64_t g = 0; g < splits->groups; g++) {
-        int64_t m = splits->host[g];
-        int64_t R = t->layout == FM_LAYOUT_COLWISE ? cols_of(t) : m;
-        int64_t C = t->layout == FM_LAYOUT_COLWISE ? m : cols_of(t);
-        n += fm_scale_count_2d(t->scale_mode, t->scale_layout, R, C);
-    }
-    return n;
-}
-
 fm_status fm_grouped_gemm_wgrad(fm_context *ctx, const fm_gemm_config *cfg_in, const fm_splits *splits,
                                 const fm_tensor *dy, const fm_tensor *x, fm_tensor *dw)
 {
@@ -375,7 +327,7 @@ fm_status fm_grouped_gemm_wgrad(fm_context *ctx, const fm_gemm_config *cfg_in, c
                         "dw: must be [E, N, K] = [E, %lld, %lld] (dy's columns, x's columns); got [%lld, %lld, %lld]",
                         (long long)cols_of(dy), (long long)cols_of(x), (long long)dw->shape[0],
                         (long long)dw->shape[1], (long long)dw->shape[2]);
-    if ((st = check_splits(ctx, splits, dw->shape[0], "dw", rows_of(dy), "dy", "fm_grouped_gemm_wgrad")))
+    if ((st = fm_check_splits(ctx, splits, rows_of(dy), "dy", dw->shape[0], "dw", "fm_grouped_gemm_wgrad")))
         return st;
     if ((st = check_cfg(ctx, &cfg, dw, "dw")))
         return st;
@@ -391,7 +343,7 @@ fm_status fm_grouped_gemm_wgrad(fm_context *ctx, const fm_gemm_config *cfg_in, c
     const operand *ops[2] = {&ody, &ox};
     for (int i = 0; i < 2; i++) {
         const fm_tensor *t = ops[i]->orig;
-        int64_t ns = grouped_scale_count(t, splits);
+        int64_t ns = fm_tensor_grouped_scale_count(t, splits);
         if (t->scale_mode && t->scale_capacity > 0 && ns * 4 > t->scale_capacity)
             return fm_error(ctx, FM_ERR_INVALID_ARG,
                             "%s: scale_capacity is %lld bytes but the grouped %s layout over these splits needs %lld",
@@ -410,8 +362,8 @@ fm_status fm_grouped_gemm_wgrad(fm_context *ctx, const fm_gemm_config *cfg_in, c
                         ctx->be->name);
     if ((st = ctx->be->grouped_gemm_wgrad(ctx, &cfg, splits, dy, x, dw)))
         return st;
-    int64_t rd = fm_tensor_nbytes(dy) + fm_tensor_nbytes(x) + 4 * (grouped_scale_count(dy, splits) +
-                                                                   grouped_scale_count(x, splits));
+    int64_t rd = fm_tensor_nbytes(dy) + fm_tensor_nbytes(x) + 4 * (fm_tensor_grouped_scale_count(dy, splits) +
+                                                                   fm_tensor_grouped_scale_count(x, splits));
     count(ctx, FM_OP_GROUPED_GEMM_WGRAD, &cfg, rd, dw);
     return FM_OK;
 }

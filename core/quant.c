@@ -226,7 +226,7 @@ fm_status fm_quantize_grouped(fm_context *ctx, const fm_quant_config *cfg_in, co
         return st;
     if (in->ndim != 2)
         return fm_error(ctx, FM_ERR_INVALID_ARG, "in: must be 2-D [rows, cols] (the groups split the rows)");
-    if ((st = fm_check_splits(ctx, splits, "splits", in->shape[0], "in")))
+    if ((st = fm_check_splits(ctx, splits, in->shape[0], "in", -1, NULL, "fm_quantize_grouped")))
         return st;
     if (!out_row && !out_col)
         return fm_error(ctx, FM_ERR_INVALID_ARG, "out_rowwise, out_colwise: both are NULL; give at least one");
@@ -238,16 +238,13 @@ fm_status fm_quantize_grouped(fm_context *ctx, const fm_quant_config *cfg_in, co
         whole.scale_capacity = 0;
         if ((st = check_quant_output(ctx, &cfg, in, &whole, "out_colwise", FM_CHK_COLWISE)))
             return st;
-        int64_t need = 0;
-        for (int64_t g = 0; g < splits->groups; g++) {
-            fm_tensor v = group_colwise_view(out_col, 0, splits->host[g], 0);
+        for (int64_t g = 0; g < splits->groups; g++)
             if (out_col->dtype == FM_DTYPE_E2M1 && (splits->host[g] & 1))
                 return fm_error(ctx, FM_ERR_INVALID_ARG,
                                 "splits->host[%lld]: %lld is odd; an E2M1 column-wise group stores its rows as "
                                 "packed pairs, so every group size must be even",
                                 (long long)g, (long long)splits->host[g]);
-            need += fm_tensor_scale_count(&v);
-        }
+        int64_t need = fm_tensor_grouped_scale_count(out_col, splits);
         int64_t bytes = need * (out_col->scale_dtype == FM_DTYPE_E8M0 ? 1 : 4);
         if (out_col->scale_capacity && out_col->scale_capacity < bytes)
             return fm_error(ctx, FM_ERR_INVALID_ARG,

@@ -19,7 +19,7 @@ static fm_status check_grouped(fm_context *ctx, const fm_splits *splits, const f
     if (in->ndim != 2)
         return fm_error(ctx, FM_ERR_INVALID_ARG, "in: the grouped transpose takes a 2-D [sum(M_i), N] tensor, "
                         "got ndim %d", in->ndim);
-    if ((st = fm_check_splits(ctx, splits, "splits", in->shape[0], "in")))
+    if ((st = fm_check_splits(ctx, splits, in->shape[0], "in", -1, NULL, "fm_transpose_scaled_grouped")))
         return st;
     if (in->scale_mode == FM_SCALE_BLOCK_128x128 || out->scale_mode == FM_SCALE_BLOCK_128x128)
         return fm_error(ctx, FM_ERR_INVALID_ARG,
@@ -157,8 +157,9 @@ fm_status fm_transpose_scaled_grouped(fm_context *ctx, const fm_requant_config *
         return FM_ERR_INVALID_ARG;
     fm_error_clear(ctx);
     fm_requant_config cfg = cfg_in ? *cfg_in : (fm_requant_config){0};
+    /* NULL splits would read as the ungrouped op below: refuse them first. */
     if (!splits)
-        return fm_error(ctx, FM_ERR_INVALID_ARG, "splits: the splits pointer is NULL");
+        return fm_check_splits(ctx, NULL, 0, "in", -1, NULL, "fm_transpose_scaled_grouped");
     fm_status st = check_requant(ctx, &cfg, splits, in, out, 1);
     if (st)
         return st;

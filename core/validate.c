@@ -194,34 +194,38 @@ fm_status fm_check_no_alias(fm_context *ctx, const fm_tensor *out, const char *o
     return FM_OK;
 }
 
-fm_status fm_check_splits(fm_context *ctx, const fm_splits *splits, const char *name, int64_t rows,
-                          const char *rows_name)
+fm_status fm_check_splits(fm_context *ctx, const fm_splits *splits, int64_t rows, const char *rows_name,
+                          int64_t groups, const char *groups_owner, const char *op)
 {
     if (!splits)
-        return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: the splits pointer is NULL", name);
-    if (splits->groups < 1)
-        return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: groups is %lld; there must be at least one group", name,
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "splits: the pointer is NULL; %s needs the group sizes", op);
+    if (groups >= 0 && splits->groups != groups)
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "splits->groups: %lld, but %s has %lld experts",
+                        (long long)splits->groups, groups_owner, (long long)groups);
+    if (splits->groups < 1 || splits->groups > ((int64_t)1 << 24))
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "splits->groups: %lld is outside 1..2^24",
                         (long long)splits->groups);
     if (!splits->host)
-        return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: host is NULL; this op needs the group sizes in host memory",
-                        name);
+        return fm_error(ctx, FM_ERR_INVALID_ARG,
+                        "splits->host: NULL; %s needs the group sizes in host memory (its work is sized on the "
+                        "host)",
+                        op);
     int64_t sum = 0;
     for (int64_t g = 0; g < splits->groups; g++) {
         int64_t m = splits->host[g];
         if (m < 0)
-            return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: group %lld has %lld rows; sizes must be >= 0", name,
+            return fm_error(ctx, FM_ERR_INVALID_ARG, "splits->host[%lld]: %lld rows; sizes must be >= 0",
                             (long long)g, (long long)m);
         if (m > rows - sum)
-            return fm_error(ctx, FM_ERR_INVALID_ARG,
-                            "%s: the group sizes up to group %lld add up to more than the %lld rows of %s", name,
-                            (long long)g, (long long)rows, rows_name);
+            return fm_error(ctx, FM_ERR_INVALID_ARG, "splits->host: the sizes sum past %s's %lld rows (at group %lld)",
+                            rows_name, (long long)rows, (long long)g);
         sum += m;
     }
     if (sum != rows)
-        return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: the group sizes add up to %lld but %s has %lld rows", name,
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "splits->host: the sizes sum to %lld but %s has %lld rows",
                         (long long)sum, rows_name, (long long)rows);
     if (splits->device && ((uintptr_t)splits->device % sizeof(int64_t)))
-        return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: device %p is not 8-byte aligned", name,
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "splits->device: %p is not 8-byte aligned",
                         (const void *)splits->device);
     return FM_OK;
 }

@@ -28,9 +28,11 @@ fm_status fm_check_disjoint(fm_context *ctx, const void *p, int64_t pn, const ch
 fm_status fm_check_no_alias(fm_context *ctx, const fm_tensor *out, const char *on, const fm_tensor *other,
                             const char *tn);
 
-/* Group sizes along `rows` rows of tensor `rows_name`: groups >= 1, host
- * sizes present, each >= 0, adding up to rows. */
-fm_status fm_check_splits(fm_context *ctx, const fm_splits *splits, const char *name, int64_t rows,
-                          const char *rows_name);
+/* Group sizes along `rows` rows of tensor `rows_name`: groups in 1..2^24
+ * (and equal to `groups` with its owner's name, unless groups < 0), host
+ * sizes present, each >= 0, adding up to rows; device sizes aligned. `op`
+ * names the call in the sentences. */
+fm_status fm_check_splits(fm_context *ctx, const fm_splits *splits, int64_t rows, const char *rows_name,
+                          int64_t groups, const char *groups_owner, const char *op);
 
 #endif
