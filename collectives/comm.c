@@ -102,22 +102,6 @@ static void count_rows(const int32_t *ids, int64_t T, int64_t k, int e_local, in
 
 /* ---- validation -------------------------------------------------------- */
 
-static fm_status check_mat(fm_context *ctx, const fm_tensor *t, const char *name, unsigned flags, fm_dtype dtype,
-                           int64_t rows, int64_t cols)
-{
-    fm_status st = fm_check_tensor(ctx, t, name, flags);
-    if (st)
-        return st;
-    if (t->ndim != 2)
-        return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: must be a 2-D tensor, got ndim %d", name, t->ndim);
-    if (dtype != FM_DTYPE_COUNT && t->dtype != dtype)
-        return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: dtype must be %s, got %s", name, fm_dtype_name(dtype),
-                        fm_dtype_name(t->dtype));
-    if ((rows >= 0 && t->shape[0] != rows) || (cols >= 0 && t->shape[1] != cols))
-        return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: shape must be [%lld, %lld] (-1 = any), got [%lld, %lld]", name,
-                        (long long)rows, (long long)cols, (long long)t->shape[0], (long long)t->shape[1]);
-    return FM_OK;
-}
 
 /* Rows that travel: unscaled F32/BF16/F16 or quantized with row blocks and
  * compact scales (what fm_moe_permute moves). */
@@ -129,11 +113,11 @@ static fm_status check_payload(fm_context *ctx, const fm_tensor *t, const char *
         return st;
     int high = t->dtype == FM_DTYPE_F32 || t->dtype == FM_DTYPE_BF16 || t->dtype == FM_DTYPE_F16;
     if (high)
-        return check_mat(ctx, t, name, FM_CHK_ROWWISE | FM_CHK_UNSCALED | FM_CHK_HIGH, FM_DTYPE_COUNT, rows, cols);
+        return fm_check_mat(ctx, t, name, FM_CHK_ROWWISE | FM_CHK_UNSCALED | FM_CHK_HIGH, FM_DTYPE_COUNT, rows, cols);
     if (!allow_quant)
         return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: dtype must be F32, BF16 or F16, got %s", name,
                         fm_dtype_name(t->dtype));
-    if ((st = check_mat(ctx, t, name, FM_CHK_ROWWISE | FM_CHK_QUANT, FM_DTYPE_COUNT, rows, cols)))
+    if ((st = fm_check_mat(ctx, t, name, FM_CHK_ROWWISE | FM_CHK_QUANT, FM_DTYPE_COUNT, rows, cols)))
         return st;
     if (t->scale_mode != FM_SCALE_BLOCK_1x128 && t->scale_mode != FM_SCALE_MX32)
         return fm_error(ctx, FM_ERR_INVALID_ARG,
@@ -164,7 +148,7 @@ static fm_status check_common(fm_context *ctx, fm_comm *comm, const fm_ep_config
         return fm_error(ctx, FM_ERR_INVALID_ARG,
                         "cfg->experts_per_rank: %d experts on each of %d ranks overflow the I32 expert ids",
                         cfg->experts_per_rank, comm->size);
-    if ((st = check_mat(ctx, expert_ids, "expert_ids", FM_CHK_UNSCALED | FM_CHK_ROWWISE, FM_DTYPE_I32, T, -1)))
+    if ((st = fm_check_mat(ctx, expert_ids, "expert_ids", FM_CHK_UNSCALED | FM_CHK_ROWWISE, FM_DTYPE_I32, T, -1)))
         return st;
     int64_t k = expert_ids->shape[1];
     if (k < 1)
@@ -197,7 +181,7 @@ static fm_status check_dispatch(fm_context *ctx, fm_comm *comm, const fm_ep_conf
     if ((st = check_common(ctx, comm, cfg, expert_ids, T)))
         return st;
     int64_t k = expert_ids->shape[1];
-    if (probs && (st = check_mat(ctx, probs, "probs", FM_CHK_UNSCALED | FM_CHK_ROWWISE, FM_DTYPE_F32, T, k)))
+    if (probs && (st = fm_check_mat(ctx, probs, "probs", FM_CHK_UNSCALED | FM_CHK_ROWWISE, FM_DTYPE_F32, T, k)))
         return st;
     if (!out)
         return fm_error(ctx, FM_ERR_INVALID_ARG, "out: must point to an fm_ep_dispatch_out");
@@ -222,7 +206,7 @@ static fm_status check_dispatch(fm_context *ctx, fm_comm *comm, const fm_ep_conf
     static const fm_dtype odt[5] = {FM_DTYPE_COUNT, FM_DTYPE_I32, FM_DTYPE_F32, FM_DTYPE_I32, FM_DTYPE_I32};
     int64_t ocols[5] = {H, k, k, 1, 1};
     for (int i = 1; i < 5; i++)
-        if (outs[i] && (st = check_mat(ctx, outs[i], on[i], FM_CHK_UNSCALED | FM_CHK_ROWWISE, odt[i], C, ocols[i])))
+        if (outs[i] && (st = fm_check_mat(ctx, outs[i], on[i], FM_CHK_UNSCALED | FM_CHK_ROWWISE, odt[i], C, ocols[i])))
             return st;
     const fm_tensor *ins[3] = {x, expert_ids, probs};
     static const char *const in_[3] = {"x", "expert_ids", "probs"};

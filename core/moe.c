@@ -26,29 +26,11 @@ static int64_t tbytes(const fm_tensor *t)
     return fm_tensor_nbytes(t) + (t->scale_mode ? fm_tensor_scale_nbytes(t) : 0);
 }
 
-/* A 2-D row-wise tensor of `dtype` (FM_DTYPE_COUNT: any that `flags` admits)
- * and shape [rows, cols] (-1: any). */
-static fm_status check_mat(fm_context *ctx, const fm_tensor *t, const char *name, unsigned flags, fm_dtype dtype,
-                           int64_t rows, int64_t cols)
-{
-    fm_status st = fm_check_tensor(ctx, t, name, flags);
-    if (st)
-        return st;
-    if (t->ndim != 2)
-        return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: must be a 2-D tensor, got ndim %d", name, t->ndim);
-    if (dtype != FM_DTYPE_COUNT && t->dtype != dtype)
-        return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: dtype must be %s, got %s", name, fm_dtype_name(dtype),
-                        fm_dtype_name(t->dtype));
-    if ((rows >= 0 && t->shape[0] != rows) || (cols >= 0 && t->shape[1] != cols))
-        return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: shape must be [%lld, %lld] (-1 = any), got [%lld, %lld]", name,
-                        (long long)rows, (long long)cols, (long long)t->shape[0], (long long)t->shape[1]);
-    return FM_OK;
-}
 
 static fm_status check_index(fm_context *ctx, const fm_tensor *t, const char *name, fm_dtype dtype, int64_t rows,
                              int64_t cols)
 {
-    return check_mat(ctx, t, name, FM_CHK_UNSCALED | FM_CHK_ROWWISE, dtype, rows, cols);
+    return fm_check_mat(ctx, t, name, FM_CHK_UNSCALED | FM_CHK_ROWWISE, dtype, rows, cols);
 }
 
 /* Row-wise data the MoE ops move or decode: F32/BF16/F16 unscaled, or
@@ -62,11 +44,11 @@ static fm_status check_rows(fm_context *ctx, const fm_tensor *t, const char *nam
         return st;
     int high = t->dtype == FM_DTYPE_F32 || t->dtype == FM_DTYPE_BF16 || t->dtype == FM_DTYPE_F16;
     if (high)
-        return check_mat(ctx, t, name, FM_CHK_ROWWISE | FM_CHK_UNSCALED | FM_CHK_HIGH, FM_DTYPE_COUNT, rows, cols);
+        return fm_check_mat(ctx, t, name, FM_CHK_ROWWISE | FM_CHK_UNSCALED | FM_CHK_HIGH, FM_DTYPE_COUNT, rows, cols);
     if (!allow_quant)
         return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: dtype must be F32, BF16 or F16, got %s", name,
                         fm_dtype_name(t->dtype));
-    if ((st = check_mat(ctx, t, name, FM_CHK_ROWWISE | FM_CHK_QUANT, FM_DTYPE_COUNT, rows, cols)))
+    if ((st = fm_check_mat(ctx, t, name, FM_CHK_ROWWISE | FM_CHK_QUANT, FM_DTYPE_COUNT, rows, cols)))
         return st;
     if (t->scale_mode != FM_SCALE_BLOCK_1x128 && t->scale_mode != FM_SCALE_MX32)
         return fm_error(ctx, FM_ERR_INVALID_ARG,
@@ -124,7 +106,7 @@ static fm_status check_router_cfg(fm_context *ctx, const fm_router_config *in, f
 {
     fm_status st;
     *cfg = in ? *in : (fm_router_config){0};
-    if ((st = check_mat(ctx, logits, "logits", FM_CHK_UNSCALED | FM_CHK_ROWWISE, FM_DTYPE_F32, -1, -1)))
+    if ((st = fm_check_mat(ctx, logits, "logits", FM_CHK_UNSCALED | FM_CHK_ROWWISE, FM_DTYPE_F32, -1, -1)))
         return st;
     int64_t E = logits->shape[1];
     if (E < 1)
@@ -238,7 +220,7 @@ fm_status fm_moe_permute(fm_context *ctx, const fm_permute_config *cfg_in, const
     int64_t E = splits->shape[1];
     if (E < 1)
         return fm_error(ctx, FM_ERR_INVALID_ARG, "splits: needs E >= 1 columns (one per expert), got [1, 0]");
-    if ((st = check_mat(ctx, out, "out", FM_CHK_ROWWISE, x->dtype, -1, H)))
+    if ((st = fm_check_mat(ctx, out, "out", FM_CHK_ROWWISE, x->dtype, -1, H)))
         return st;
     int64_t R = out->shape[0];
     if (out->scale_mode != x->scale_mode || out->scale_layout != x->scale_layout)
@@ -397,7 +379,7 @@ static fm_status check_act_outputs(fm_context *ctx, const fm_quant_config *cfg, 
     const fm_tensor *q[2] = {high ? NULL : row, col};
     const char *qn[2] = {rn, cn};
     if (high) {
-        if ((st = check_mat(ctx, row, rn, FM_CHK_ROWWISE | FM_CHK_UNSCALED | FM_CHK_HIGH, FM_DTYPE_COUNT, M, C)))
+        if ((st = fm_check_mat(ctx, row, rn, FM_CHK_ROWWISE | FM_CHK_UNSCALED | FM_CHK_HIGH, FM_DTYPE_COUNT, M, C)))
             return st;
         if (col)
             return fm_error(ctx, FM_ERR_INVALID_ARG,

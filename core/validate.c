@@ -229,3 +229,20 @@ fm_status fm_check_splits(fm_context *ctx, const fm_splits *splits, int64_t rows
                         (const void *)splits->device);
     return FM_OK;
 }
+
+fm_status fm_check_mat(fm_context *ctx, const fm_tensor *t, const char *name, unsigned flags, fm_dtype dtype,
+                       int64_t rows, int64_t cols)
+{
+    fm_status st = fm_check_tensor(ctx, t, name, flags);
+    if (st)
+        return st;
+    if (t->ndim != 2)
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: must be a 2-D tensor, got ndim %d", name, t->ndim);
+    if (dtype != FM_DTYPE_COUNT && t->dtype != dtype)
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: dtype must be %s, got %s", name, fm_dtype_name(dtype),
+                        fm_dtype_name(t->dtype));
+    if ((rows >= 0 && t->shape[0] != rows) || (cols >= 0 && t->shape[1] != cols))
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: shape must be [%lld, %lld] (-1 = any), got [%lld, %lld]", name,
+                        (long long)rows, (long long)cols, (long long)t->shape[0], (long long)t->shape[1]);
+    return FM_OK;
+}

@@ -35,4 +35,9 @@ fm_status fm_check_no_alias(fm_context *ctx, const fm_tensor *out, const char *o
 fm_status fm_check_splits(fm_context *ctx, const fm_splits *splits, int64_t rows, const char *rows_name,
                           int64_t groups, const char *groups_owner, const char *op);
 
+/* A 2-D tensor (the fm_check_tensor rules with `flags`) of `dtype`
+ * (FM_DTYPE_COUNT: any that flags admit) and shape [rows, cols] (-1: any). */
+fm_status fm_check_mat(fm_context *ctx, const fm_tensor *t, const char *name, unsigned flags, fm_dtype dtype,
+                       int64_t rows, int64_t cols);
+
 #endif
