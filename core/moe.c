@@ -432,6 +432,26 @@ static fm_status check_cfg_disjoint(fm_context *ctx, const fm_quant_config *cfg,
     return fm_check_disjoint(ctx, p[0], pn[0], pname[0], p[1], pn[1], pname[1]);
 }
 
+/* What both SwiGLU directions take: the quantize config, in [M, 2I] (BF16,
+ * F32 or row-wise quantized) and the optional probs [M, 1] F32. */
+static fm_status check_swiglu_in(fm_context *ctx, const fm_quant_config *cfg_in, fm_quant_config *cfg,
+                                 const fm_tensor *in, const fm_tensor *probs, int64_t *M, int64_t *I)
+{
+    fm_status st;
+    if ((st = check_quant_cfg(ctx, cfg_in, cfg)))
+        return st;
+    if ((st = check_rows(ctx, in, "in", -1, -1, 1)))
+        return st;
+    if (in->shape[1] % 2)
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "in: columns must be 2I (gate | up), got an odd %lld",
+                        (long long)in->shape[1]);
+    *M = in->shape[0];
+    *I = in->shape[1] / 2;
+    if (probs && (st = check_index(ctx, probs, "probs", FM_DTYPE_F32, *M, 1)))
+        return st;
+    return FM_OK;
+}
+
 fm_status fm_moe_swiglu(fm_context *ctx, const fm_quant_config *cfg_in, const fm_tensor *in, const fm_tensor *probs,
                         fm_tensor *out_row, fm_tensor *out_col, fm_tensor *in_saved)
 {
@@ -439,16 +459,9 @@ fm_status fm_moe_swiglu(fm_context *ctx, const fm_quant_config *cfg_in, const fm
         return FM_ERR_INVALID_ARG;
     fm_error_clear(ctx);
     fm_quant_config cfg;
-    fm_status st;
-    if ((st = check_quant_cfg(ctx, cfg_in, &cfg)))
-        return st;
-    if ((st = check_rows(ctx, in, "in", -1, -1, 1)))
-        return st;
-    int64_t M = in->shape[0], I = in->shape[1] / 2;
-    if (in->shape[1] % 2)
-        return fm_error(ctx, FM_ERR_INVALID_ARG, "in: columns must be 2I (gate | up), got an odd %lld",
-                        (long long)in->shape[1]);
-    if (probs && (st = check_index(ctx, probs, "probs", FM_DTYPE_F32, M, 1)))
+    int64_t M, I;
+    fm_status st = check_swiglu_in(ctx, cfg_in, &cfg, in, probs, &M, &I);
+    if (st)
         return st;
     if ((st = check_act_outputs(ctx, &cfg, out_row, "out_row", out_col, "out_col", M, I)))
         return st;
@@ -489,18 +502,11 @@ fm_status fm_moe_swiglu_backward(fm_context *ctx, const fm_quant_config *cfg_in,
         return FM_ERR_INVALID_ARG;
     fm_error_clear(ctx);
     fm_quant_config cfg;
-    fm_status st;
-    if ((st = check_quant_cfg(ctx, cfg_in, &cfg)))
+    int64_t M, I;
+    fm_status st = check_swiglu_in(ctx, cfg_in, &cfg, in, probs, &M, &I);
+    if (st)
         return st;
-    if ((st = check_rows(ctx, in, "in", -1, -1, 1)))
-        return st;
-    int64_t M = in->shape[0], I = in->shape[1] / 2;
-    if (in->shape[1] % 2)
-        return fm_error(ctx, FM_ERR_INVALID_ARG, "in: columns must be 2I (gate | up), got an odd %lld",
-                        (long long)in->shape[1]);
     if ((st = check_rows(ctx, dh, "dh", M, I, 1)))
-        return st;
-    if (probs && (st = check_index(ctx, probs, "probs", FM_DTYPE_F32, M, 1)))
         return st;
     if (dprobs) {
         if (!probs)
