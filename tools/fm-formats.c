@@ -15,6 +15,7 @@
 #include <pthread.h>
 #include <unistd.h>
 
+#include "cli.h"
 #include "flowmoe/flowmoe.h"
 #include "npy.h"
 
@@ -73,19 +74,6 @@ typedef struct {
     int rows_set, cols_set, seed_set, dtype_set;
 } options;
 
-static int parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *v)
-{
-    char *end;
-    if (!s || !*s || *s == '-' || *s == '+' || *s == ' ')
-        return -1;
-    errno = 0;
-    unsigned long long x = strtoull(s, &end, 10);
-    if (errno || *end || x < (unsigned long long)lo || x > (unsigned long long)hi)
-        return -1;
-    *v = (int64_t)x;
-    return 0;
-}
-
 /* Returns -1 to go on, else the exit status. */
 static int parse_args(int argc, char **argv, options *o)
 {
@@ -99,20 +87,10 @@ static int parse_args(int argc, char **argv, options *o)
         static const char *const with_value[] = {"--in", "--rows", "--cols", "--seed", "--dtype",
                                                  "--backend", "--csv", "--dump"};
         const char *name = NULL, *val = NULL;
-        for (size_t k = 0; k < sizeof with_value / sizeof with_value[0]; k++) {
-            size_t n = strlen(with_value[k]);
-            if (!strncmp(a, with_value[k], n) && (a[n] == '\0' || a[n] == '=')) {
-                name = with_value[k];
-                if (a[n] == '=')
-                    val = a + n + 1;
-                else if (i + 1 < argc)
-                    val = argv[++i];
-                else
-                    return usage_error("%s needs a value", name);
-                break;
-            }
-        }
-        if (!name)
+        int got = cli_option(argc, argv, &i, with_value, sizeof with_value / sizeof with_value[0], &name, &val);
+        if (got < 0)
+            return usage_error("%s needs a value", name);
+        if (got == 0)
             return usage_error("unknown argument '%s'", a);
         int64_t v;
         if (!strcmp(name, "--in")) {
@@ -122,15 +100,15 @@ static int parse_args(int argc, char **argv, options *o)
         } else if (!strcmp(name, "--dump")) {
             o->dump = val;
         } else if (!strcmp(name, "--rows")) {
-            if (parse_i64(val, 1, MAX_DIM, &o->rows))
+            if (cli_parse_i64(val, 1, MAX_DIM, &o->rows))
                 return usage_error("--rows must be an integer in 1..16777216, got '%s'", val);
             o->rows_set = 1;
         } else if (!strcmp(name, "--cols")) {
-            if (parse_i64(val, 1, MAX_DIM, &o->cols))
+            if (cli_parse_i64(val, 1, MAX_DIM, &o->cols))
                 return usage_error("--cols must be an integer in 1..16777216, got '%s'", val);
             o->cols_set = 1;
         } else if (!strcmp(name, "--seed")) {
-            if (parse_i64(val, 0, INT64_MAX, &v))
+            if (cli_parse_i64(val, 0, INT64_MAX, &v))
                 return usage_error("--seed must be a non-negative integer, got '%s'", val);
             o->seed = (uint64_t)v;
             o->seed_set = 1;

@@ -24,6 +24,7 @@
 #include <sys/stat.h>
 #include <time.h>
 
+#include "cli.h"
 #include "flowmoe/flowmoe.h"
 #include "svg.h"
 #include "train_host.h"
@@ -108,19 +109,6 @@ static int usage_error(const char *fmt, const char *arg)
     return 2;
 }
 
-static int parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *v)
-{
-    char *end;
-    if (!s || *s < '0' || *s > '9')
-        return -1;
-    errno = 0;
-    unsigned long long x = strtoull(s, &end, 10);
-    if (errno || *end || x < (unsigned long long)lo || x > (unsigned long long)hi)
-        return -1;
-    *v = (int64_t)x;
-    return 0;
-}
-
 static int parse_f64(const char *s, double lo, double hi, double *v)
 {
     char *end;
@@ -168,20 +156,10 @@ static int parse_args(int argc, char **argv, options *o)
                                                  "--hidden", "--ffn", "--experts", "--topk", "--tokens",
                                                  "--lr", "--wd", "--threads", "--print-every", "--teacher-rank", "--out"};
         const char *name = NULL, *val = NULL;
-        for (size_t k = 0; k < sizeof with_value / sizeof with_value[0]; k++) {
-            size_t n = strlen(with_value[k]);
-            if (!strncmp(a, with_value[k], n) && (a[n] == '\0' || a[n] == '=')) {
-                name = with_value[k];
-                if (a[n] == '=')
-                    val = a + n + 1;
-                else if (i + 1 < argc)
-                    val = argv[++i];
-                else
-                    return usage_error("%s needs a value", name);
-                break;
-            }
-        }
-        if (!name)
+        int got = cli_option(argc, argv, &i, with_value, sizeof with_value / sizeof with_value[0], &name, &val);
+        if (got < 0)
+            return usage_error("%s needs a value", name);
+        if (got == 0)
             return usage_error("unknown argument '%s'", a);
         int64_t v;
         if (!strcmp(name, "--backend")) {
@@ -196,7 +174,7 @@ static int parse_args(int argc, char **argv, options *o)
                 return usage_error("--recipes must be distinct names among bf16, fp8-blockwise, fp8-flow, "
                                    "fp8-flow-fp4, separated by commas; got '%s'", val);
         } else if (!strcmp(name, "--seed")) {
-            if (parse_i64(val, 0, INT64_MAX, &v))
+            if (cli_parse_i64(val, 0, INT64_MAX, &v))
                 return usage_error("--seed must be a non-negative integer, got '%s'", val);
             o->seed = (uint64_t)v;
         } else if (!strcmp(name, "--lr")) {
@@ -230,7 +208,7 @@ static int parse_args(int argc, char **argv, options *o)
                               &o->topk, &o->tokens, &o->threads, &o->print_every, &o->rank};
             for (size_t k = 0; k < sizeof ints / sizeof ints[0]; k++)
                 if (!strcmp(name, ints[k].name)) {
-                    if (parse_i64(val, ints[k].lo, ints[k].hi, dst[k]))
+                    if (cli_parse_i64(val, ints[k].lo, ints[k].hi, dst[k]))
                         return usage_error(ints[k].rule, val);
                     if (dst[k] == &o->print_every)
                         print_every_set = 1;
