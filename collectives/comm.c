@@ -103,32 +103,6 @@ static void count_rows(const int32_t *ids, int64_t T, int64_t k, int e_local, in
 /* ---- validation -------------------------------------------------------- */
 
 
-/* Rows that travel: unscaled F32/BF16/F16 or quantized with row blocks and
- * compact scales (what fm_moe_permute moves). */
-static fm_status check_payload(fm_context *ctx, const fm_tensor *t, const char *name, int64_t rows, int64_t cols,
-                               int allow_quant)
-{
-    fm_status st = fm_check_tensor(ctx, t, name, FM_CHK_ROWWISE);
-    if (st)
-        return st;
-    int high = t->dtype == FM_DTYPE_F32 || t->dtype == FM_DTYPE_BF16 || t->dtype == FM_DTYPE_F16;
-    if (high)
-        return fm_check_mat(ctx, t, name, FM_CHK_ROWWISE | FM_CHK_UNSCALED | FM_CHK_HIGH, FM_DTYPE_COUNT, rows, cols);
-    if (!allow_quant)
-        return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: dtype must be F32, BF16 or F16, got %s", name,
-                        fm_dtype_name(t->dtype));
-    if ((st = fm_check_mat(ctx, t, name, FM_CHK_ROWWISE | FM_CHK_QUANT, FM_DTYPE_COUNT, rows, cols)))
-        return st;
-    if (t->scale_mode != FM_SCALE_BLOCK_1x128 && t->scale_mode != FM_SCALE_MX32)
-        return fm_error(ctx, FM_ERR_INVALID_ARG,
-                        "%s: quantized rows must use BLOCK_1x128 or MX32 scales (row blocks), got %s", name,
-                        fm_scale_mode_name(t->scale_mode));
-    if (t->scale_layout != FM_SCALE_LAYOUT_COMPACT)
-        return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: scales must be in the COMPACT layout (they travel with the rows), got %s",
-                        name, fm_scale_layout_name(t->scale_layout));
-    return FM_OK;
-}
-
 static fm_status check_common(fm_context *ctx, fm_comm *comm, const fm_ep_config *cfg, const fm_tensor *expert_ids,
                               int64_t T)
 {
@@ -175,7 +149,7 @@ static fm_status check_dispatch(fm_context *ctx, fm_comm *comm, const fm_ep_conf
     fm_status st;
     if (!ctx)
         return FM_ERR_INVALID_ARG;
-    if ((st = check_payload(ctx, x, "x", -1, -1, 1)))
+    if ((st = fm_check_rows(ctx, x, "x", -1, -1, 1)))
         return st;
     int64_t T = x->shape[0], H = x->shape[1];
     if ((st = check_common(ctx, comm, cfg, expert_ids, T)))
@@ -187,7 +161,7 @@ static fm_status check_dispatch(fm_context *ctx, fm_comm *comm, const fm_ep_conf
         return fm_error(ctx, FM_ERR_INVALID_ARG, "out: must point to an fm_ep_dispatch_out");
     if (!out->x)
         return fm_error(ctx, FM_ERR_INVALID_ARG, "out->x: the received rows' descriptor is required");
-    if ((st = check_payload(ctx, out->x, "out->x", -1, H, 1)))
+    if ((st = fm_check_rows(ctx, out->x, "out->x", -1, H, 1)))
         return st;
     int64_t C = out->x->shape[0];
     if (out->x->dtype != x->dtype || out->x->scale_mode != x->scale_mode)
@@ -235,9 +209,9 @@ static fm_status check_combine(fm_context *ctx, fm_comm *comm, const fm_ep_confi
     fm_status st;
     if (!ctx)
         return FM_ERR_INVALID_ARG;
-    if ((st = check_payload(ctx, y, "y", -1, -1, 0)))
+    if ((st = fm_check_rows(ctx, y, "y", -1, -1, 0)))
         return st;
-    if ((st = check_payload(ctx, out, "out", -1, y->shape[1], 0)))
+    if ((st = fm_check_rows(ctx, out, "out", -1, y->shape[1], 0)))
         return st;
     if ((st = check_common(ctx, comm, cfg, expert_ids, out->shape[0])))
         return st;

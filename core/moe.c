@@ -33,33 +33,6 @@ static fm_status check_index(fm_context *ctx, const fm_tensor *t, const char *na
     return fm_check_mat(ctx, t, name, FM_CHK_UNSCALED | FM_CHK_ROWWISE, dtype, rows, cols);
 }
 
-/* Row-wise data the MoE ops move or decode: F32/BF16/F16 unscaled, or
- * quantized with power-of-two row blocks (BLOCK_1x128 or MX32) in the
- * compact scale layout, the layout that travels with the rows. */
-static fm_status check_rows(fm_context *ctx, const fm_tensor *t, const char *name, int64_t rows, int64_t cols,
-                            int allow_quant)
-{
-    fm_status st = fm_check_tensor(ctx, t, name, FM_CHK_ROWWISE);
-    if (st)
-        return st;
-    int high = t->dtype == FM_DTYPE_F32 || t->dtype == FM_DTYPE_BF16 || t->dtype == FM_DTYPE_F16;
-    if (high)
-        return fm_check_mat(ctx, t, name, FM_CHK_ROWWISE | FM_CHK_UNSCALED | FM_CHK_HIGH, FM_DTYPE_COUNT, rows, cols);
-    if (!allow_quant)
-        return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: dtype must be F32, BF16 or F16, got %s", name,
-                        fm_dtype_name(t->dtype));
-    if ((st = fm_check_mat(ctx, t, name, FM_CHK_ROWWISE | FM_CHK_QUANT, FM_DTYPE_COUNT, rows, cols)))
-        return st;
-    if (t->scale_mode != FM_SCALE_BLOCK_1x128 && t->scale_mode != FM_SCALE_MX32)
-        return fm_error(ctx, FM_ERR_INVALID_ARG,
-                        "%s: quantized rows must use BLOCK_1x128 or MX32 scales (row blocks), got %s", name,
-                        fm_scale_mode_name(t->scale_mode));
-    if (t->scale_layout != FM_SCALE_LAYOUT_COMPACT)
-        return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: scales must be in the COMPACT layout, got %s", name,
-                        fm_scale_layout_name(t->scale_layout));
-    return FM_OK;
-}
-
 /* Each output against every other buffer of the call (NULL entries skipped). */
 static fm_status check_outputs_disjoint(fm_context *ctx, fm_tensor *const *outs, const char *const *on, int nout,
                                         const fm_tensor *const *ins, const char *const *in_, int nin)
@@ -207,7 +180,7 @@ fm_status fm_moe_permute(fm_context *ctx, const fm_permute_config *cfg_in, const
     if (cfg.pad_multiple < 0)
         return fm_error(ctx, FM_ERR_INVALID_ARG, "cfg->pad_multiple: must be >= 0 (0 or 1: no padding), got %d",
                         cfg.pad_multiple);
-    if ((st = check_rows(ctx, x, "x", -1, -1, 1)))
+    if ((st = fm_check_rows(ctx, x, "x", -1, -1, 1)))
         return st;
     int64_t T = x->shape[0], H = x->shape[1];
     if ((st = check_index(ctx, expert_ids, "expert_ids", FM_DTYPE_I32, T, -1)))
@@ -270,7 +243,7 @@ fm_status fm_moe_unpermute(fm_context *ctx, const fm_tensor *y, const fm_tensor 
         return FM_ERR_INVALID_ARG;
     fm_error_clear(ctx);
     fm_status st;
-    if ((st = check_rows(ctx, y, "y", -1, -1, 0)))
+    if ((st = fm_check_rows(ctx, y, "y", -1, -1, 0)))
         return st;
     if ((st = check_index(ctx, slot_rows, "slot_rows", FM_DTYPE_I32, -1, -1)))
         return st;
@@ -279,7 +252,7 @@ fm_status fm_moe_unpermute(fm_context *ctx, const fm_tensor *y, const fm_tensor 
         return fm_error(ctx, FM_ERR_INVALID_ARG, "slot_rows: needs k >= 1 columns, got [%lld, 0]", (long long)T);
     if (probs && (st = check_index(ctx, probs, "probs", FM_DTYPE_F32, T, k)))
         return st;
-    if ((st = check_rows(ctx, out, "out", T, H, 0)))
+    if ((st = fm_check_rows(ctx, out, "out", T, H, 0)))
         return st;
     fm_tensor *outs[1] = {out};
     static const char *const on[1] = {"out"};
@@ -305,7 +278,7 @@ fm_status fm_moe_unpermute_backward(fm_context *ctx, const fm_tensor *dout, cons
         return FM_ERR_INVALID_ARG;
     fm_error_clear(ctx);
     fm_status st;
-    if ((st = check_rows(ctx, dout, "dout", -1, -1, 0)))
+    if ((st = fm_check_rows(ctx, dout, "dout", -1, -1, 0)))
         return st;
     int64_t T = dout->shape[0], H = dout->shape[1];
     if ((st = check_index(ctx, slot_rows, "slot_rows", FM_DTYPE_I32, T, -1)))
@@ -313,7 +286,7 @@ fm_status fm_moe_unpermute_backward(fm_context *ctx, const fm_tensor *dout, cons
     int64_t k = slot_rows->shape[1];
     if (k < 1)
         return fm_error(ctx, FM_ERR_INVALID_ARG, "slot_rows: needs k >= 1 columns, got [%lld, 0]", (long long)T);
-    if ((st = check_rows(ctx, dy, "dy", -1, H, 0)))
+    if ((st = fm_check_rows(ctx, dy, "dy", -1, H, 0)))
         return st;
     int64_t R = dy->shape[0];
     if ((st = check_index(ctx, row_map, "row_map", FM_DTYPE_I32, R, 1)))
@@ -329,7 +302,7 @@ fm_status fm_moe_unpermute_backward(fm_context *ctx, const fm_tensor *dout, cons
         if ((st = check_index(ctx, dprobs, "dprobs", FM_DTYPE_F32, T, k)))
             return st;
     }
-    if (y && (st = check_rows(ctx, y, "y", R, H, 0)))
+    if (y && (st = fm_check_rows(ctx, y, "y", R, H, 0)))
         return st;
     fm_tensor *outs[2] = {dy, dprobs};
     static const char *const on[2] = {"dy", "dprobs"};
@@ -440,7 +413,7 @@ static fm_status check_swiglu_in(fm_context *ctx, const fm_quant_config *cfg_in,
     fm_status st;
     if ((st = check_quant_cfg(ctx, cfg_in, cfg)))
         return st;
-    if ((st = check_rows(ctx, in, "in", -1, -1, 1)))
+    if ((st = fm_check_rows(ctx, in, "in", -1, -1, 1)))
         return st;
     if (in->shape[1] % 2)
         return fm_error(ctx, FM_ERR_INVALID_ARG, "in: columns must be 2I (gate | up), got an odd %lld",
@@ -506,7 +479,7 @@ fm_status fm_moe_swiglu_backward(fm_context *ctx, const fm_quant_config *cfg_in,
     fm_status st = check_swiglu_in(ctx, cfg_in, &cfg, in, probs, &M, &I);
     if (st)
         return st;
-    if ((st = check_rows(ctx, dh, "dh", M, I, 1)))
+    if ((st = fm_check_rows(ctx, dh, "dh", M, I, 1)))
         return st;
     if (dprobs) {
         if (!probs)

@@ -246,3 +246,27 @@ fm_status fm_check_mat(fm_context *ctx, const fm_tensor *t, const char *name, un
                         (long long)rows, (long long)cols, (long long)t->shape[0], (long long)t->shape[1]);
     return FM_OK;
 }
+
+fm_status fm_check_rows(fm_context *ctx, const fm_tensor *t, const char *name, int64_t rows, int64_t cols,
+                        int allow_quant)
+{
+    fm_status st = fm_check_tensor(ctx, t, name, FM_CHK_ROWWISE);
+    if (st)
+        return st;
+    int high = t->dtype == FM_DTYPE_F32 || t->dtype == FM_DTYPE_BF16 || t->dtype == FM_DTYPE_F16;
+    if (high)
+        return fm_check_mat(ctx, t, name, FM_CHK_ROWWISE | FM_CHK_UNSCALED | FM_CHK_HIGH, FM_DTYPE_COUNT, rows, cols);
+    if (!allow_quant)
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: dtype must be F32, BF16 or F16, got %s", name,
+                        fm_dtype_name(t->dtype));
+    if ((st = fm_check_mat(ctx, t, name, FM_CHK_ROWWISE | FM_CHK_QUANT, FM_DTYPE_COUNT, rows, cols)))
+        return st;
+    if (t->scale_mode != FM_SCALE_BLOCK_1x128 && t->scale_mode != FM_SCALE_MX32)
+        return fm_error(ctx, FM_ERR_INVALID_ARG,
+                        "%s: quantized rows must use BLOCK_1x128 or MX32 scales (row blocks), got %s", name,
+                        fm_scale_mode_name(t->scale_mode));
+    if (t->scale_layout != FM_SCALE_LAYOUT_COMPACT)
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: scales must be in the COMPACT layout, got %s", name,
+                        fm_scale_layout_name(t->scale_layout));
+    return FM_OK;
+}

@@ -40,4 +40,11 @@ fm_status fm_check_splits(fm_context *ctx, const fm_splits *splits, int64_t rows
 fm_status fm_check_mat(fm_context *ctx, const fm_tensor *t, const char *name, unsigned flags, fm_dtype dtype,
                        int64_t rows, int64_t cols);
 
+/* Row-wise data the MoE and EP ops move or decode, [rows, cols] (-1: any):
+ * F32/BF16/F16 unscaled, or (allow_quant) quantized with power-of-two row
+ * blocks (BLOCK_1x128 or MX32) in the compact scale layout, the layout that
+ * travels with the rows. */
+fm_status fm_check_rows(fm_context *ctx, const fm_tensor *t, const char *name, int64_t rows, int64_t cols,
+                        int allow_quant);
+
 #endif
