@@ -611,6 +611,69 @@ done:
     return res;
 }
 
+/* ---- op: cast ----------------------------------------------------------------
+ * F32 / BF16 / F16 into each other, any layout pair, every input kind
+ * (raw bit patterns included): bit-exact. */
+
+static int cast_case(xv_env *x, const xv_shape *s, fm_dtype it, fm_dtype ot, fm_layout li, fm_layout lo, int kind,
+                     const char *name)
+{
+    xv_buf in = {0}, out = {0};
+    int res = 1;
+    fm_tensor th = make_tensor(s, NULL, it, FM_DEVICE_HOST), oh = make_tensor(s, NULL, ot, FM_DEVICE_HOST);
+    th.layout = li;
+    oh.layout = lo;
+    if (!buf_alloc(x, &in, (size_t)fm_tensor_nbytes(&th)) || !buf_alloc(x, &out, (size_t)fm_tensor_nbytes(&oh)) ||
+        !buf_poison(x, &out))
+        goto done;
+    /* The input's stored order does not matter to the generator: any bits do. */
+    gen_input(x, in.h, it, s->E, s->rows, s->cols, kind);
+    if (!buf_upload(x, &in))
+        goto done;
+    fm_tensor td = th, od = oh;
+    th.data = in.h, oh.data = out.h;
+    td.data = in.d, od.data = out.d;
+    td.device = od.device = FM_DEVICE_CUDA;
+    fm_status stc = fm_cast(x->cpu, &th, &oh);
+    char cmsg[256];
+    snprintf(cmsg, sizeof cmsg, "%s", fm_last_error(x->cpu));
+    fm_status stg = fm_cast(x->gpu, &td, &od);
+    if (stg == FM_OK && !cuda_ok(x, cudaDeviceSynchronize(), name))
+        stg = FM_ERR_BACKEND;
+    if ((res = status_verdict(x, name, stc, cmsg, stg)) >= 0)
+        goto done;
+    res = buf_same(x, &out, "values", name) ? 0 : 1;
+done:
+    buf_free(&in);
+    buf_free(&out);
+    return res;
+}
+
+static void xv_cast(xv_env *x, xv_counts *cnt)
+{
+    static const fm_dtype dts[] = {FM_DTYPE_F32, FM_DTYPE_BF16, FM_DTYPE_F16};
+    long serial = 0;
+    for (int si = 0; si < NSHAPES && !x->cuda_broken; si++) {
+        const xv_shape *s = &shapes[si];
+        if (shape_skipped(x, s))
+            continue;
+        for (int v = 0; v < 36 && !x->cuda_broken; v++) {
+            serial++;
+            if ((s->large || x->quick) && serial % 4)
+                continue;
+            fm_dtype it = dts[v % 3], ot = dts[(v / 3) % 3];
+            fm_layout li = (v / 9) & 1 ? FM_LAYOUT_COLWISE : FM_LAYOUT_ROWWISE;
+            fm_layout lo = (v / 18) & 1 ? FM_LAYOUT_COLWISE : FM_LAYOUT_ROWWISE;
+            int kind = (int)(serial % K_COUNT);
+            char sn[64], name[256];
+            shape_name(s, sn, sizeof sn);
+            snprintf(name, sizeof name, "cast %s %s %s -> %s %s kind=%s", sn, fm_dtype_name(it), fm_layout_name(li),
+                     fm_dtype_name(ot), fm_layout_name(lo), kind_name[kind]);
+            tally(x, cnt, cast_case(x, s, it, ot, li, lo, kind, name), name);
+        }
+    }
+}
+
 static void xv_scale_layout_convert(xv_env *x, xv_counts *cnt)
 {
     xv_qcfg cf[64];
@@ -1908,6 +1971,7 @@ static const struct {
     {"quantize", xv_quantize},
     {"dequantize", xv_dequantize},
     {"scale_layout_convert", xv_scale_layout_convert},
+    {"cast", xv_cast},
     {"transpose_scaled", xv_transpose_scaled},
     {"convert_scaled", xv_convert_scaled},
     {"transpose_scaled_grouped", xv_transpose_scaled_grouped},
