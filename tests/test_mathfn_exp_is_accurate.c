@@ -123,6 +123,26 @@ int main(void)
             break;
         }
     }
+    /* The backward's pair gives fm_siluf's bits and fm_dsiluf's, specials included. */
+    for (int i = 0; i < 1000000; i++) {
+        float x = tu_bits_f32(tu_rand32()), a, d;
+        if (i < 8)
+            x = (float[]){0.0f, -0.0f, INFINITY, -INFINITY, NAN, 88.8f, -88.8f, -200.0f}[i];
+        fm_silu_dsiluf(x, &a, &d);
+        if (tu_f32_bits(a) != tu_f32_bits(fm_siluf(x)) || tu_f32_bits(d) != tu_f32_bits(fm_dsiluf(x))) {
+            CHECK(0, "fm_silu_dsiluf(%a) = (%a, %a), want fm_siluf %a, fm_dsiluf %a", (double)x, (double)a,
+                  (double)d, (double)fm_siluf(x), (double)fm_dsiluf(x));
+            break;
+        }
+        if (fm_f32_is_finite(x) && !fm_f32_is_finite(a)) {
+            CHECK(0, "silu(%a) = %a: a finite input gave a non-finite output", (double)x, (double)a);
+            break;
+        }
+        if (fm_f32_is_finite(x) && !fm_f32_is_finite(d)) {
+            CHECK(0, "dsilu(%a) = %a: a finite input gave a non-finite output", (double)x, (double)d);
+            break;
+        }
+    }
     CHECK(fm_sigmoidf(-INFINITY) == 0.0f && fm_sigmoidf(INFINITY) == 1.0f, "sigmoid(+-Inf)");
     CHECK_EQ_U(tu_f32_bits(fm_sigmoidf(NAN)), 0x7FC00000u, "sigmoid(NaN)");
     CHECK(fm_siluf(INFINITY) == INFINITY, "silu(+Inf) = +Inf");

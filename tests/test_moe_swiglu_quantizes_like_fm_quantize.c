@@ -181,8 +181,8 @@ int main(void)
         for (int64_t m = 0; m < M; m++) {
             for (int64_t i = 0; i < I; i++) {
                 float g = in.dec[m * 2 * I + i], u = in.dec[m * 2 * I + I + i], d = dh.dec[m * I + i];
-                float s = 1.0f / (1.0f + fm_expf(-g)), a = g * s;
-                float sn = 1.0f / (1.0f + fm_expf(g));
+                float e = fm_expf(-g), s = 1.0f / (1.0f + e), a = g * s;
+                float sn = isinf(e) ? 1.0f : e * s; /* sigmoid(-g) = e^-g sigmoid(g) */
                 float ds = s * fmaf(g, sn, 1.0f);
                 float q = use_p ? d * p[m] : d;
                 din[m * 2 * I + I + i] = q * a;

@@ -64,18 +64,15 @@ static void bwd_rows(void *arg, int64_t begin, int64_t end, int worker)
         decode_row(jb->dh, m, dh);
         float *din = jb->h + m * 2 * I;
         for (int64_t i = 0; i < I; i++) {
-            float g = x[i], u = x[I + i];
-            float a = fm_siluf(g);
+            float g = x[i], u = x[I + i], a, ds;
+            fm_silu_dsiluf(g, &a, &ds);
             float q = p ? dh[i] * p[m] : dh[i];
             din[I + i] = q * a;
-            din[i] = (q * u) * fm_dsiluf(g);
+            din[i] = (q * u) * ds;
+            x[i] = a * u; /* what dprobs dots with dh; the gate half of x has been read */
         }
-        if (jb->dprobs) {
-            /* a * u, reusing the gate half of x once it has been read */
-            for (int64_t i = 0; i < I; i++)
-                x[i] = fm_siluf(x[i]) * x[I + i];
+        if (jb->dprobs)
             jb->dprobs[m] = fm_dot_order_f32(dh, x, I);
-        }
     }
 }
 

@@ -223,10 +223,11 @@ __global__ void __launch_bounds__(SW_THREADS) swiglu_bwd_fused_kernel(const swpa
             }
 #pragma unroll
             for (int k = 0; k < 8; k++) {
-                const float a = fm_siluf(g[k]);
+                float a, ds;
+                fm_silu_dsiluf(g[k], &a, &ds);
                 const float q = p.probs ? d[k] * pm : d[k];
                 du[k] = q * a;
-                dg[k] = (q * u[k]) * fm_dsiluf(g[k]);
+                dg[k] = (q * u[k]) * ds;
                 u[k] = a * u[k]; /* a · u, what dprobs dots with dh */
             }
             sw_put<OUT>(dg, valid, p.eps, p.out_rule, p.out, p.out_scale, m, 2 * I, col);
@@ -277,10 +278,11 @@ __global__ void swiglu_bwd_kernel(fm_moe_rows dh, fm_moe_rows in, const float *p
          idx += (int64_t)gridDim.x * blockDim.x) {
         int64_t m = idx / I, i = idx % I;
         float g = fm_moe_rows_get(in, m, i), u = fm_moe_rows_get(in, m, I + i), d = fm_moe_rows_get(dh, m, i);
-        float a = fm_siluf(g);
+        float a, ds;
+        fm_silu_dsiluf(g, &a, &ds);
         float q = p ? d * p[m] : d;
         fm_moe_store(din, ddt, m * 2 * I + I + i, q * a);
-        fm_moe_store(din, ddt, m * 2 * I + i, (q * u) * fm_dsiluf(g));
+        fm_moe_store(din, ddt, m * 2 * I + i, (q * u) * ds);
     }
 }
 

@@ -107,14 +107,29 @@ FM_HD float fm_siluf(float g)
     return fm_f32_canon(g * fm_sigmoidf(g));
 }
 
-/* d silu / dg = s * (1 + g * (1 - s)) with s = sigmoid(g), evaluated as
- * s * fmaf(g, sigmoid(-g), 1): 1 - s taken as sigmoid(-g) keeps its digits
- * where s is close to 1. dsilu(+-Inf) = NaN (Inf * 0 inside); finite inputs
- * give finite outputs. */
+/* silu(g) and d silu / dg = s * (1 + g * (1 - s)) with s = sigmoid(g), from
+ * ONE exponential e = e^-g (the backward needs both, and the exponential is
+ * most of their cost):
+ *   s = 1 / (1 + e)                  (fm_sigmoidf's operations, same bits)
+ *   silu = g * s                     (fm_siluf's bits)
+ *   1 - s taken as sigmoid(-g) = e * s, which keeps its digits where s is
+ *   close to 1; where e overflows (g < -88.72) it is 1, its rounded value;
+ *   dsilu = s * fmaf(g, sigmoid(-g), 1).
+ * dsilu(+-Inf) = NaN (Inf * 0 inside); finite inputs give finite outputs. */
+FM_HD void fm_silu_dsiluf(float g, float *silu, float *dsilu)
+{
+    const float e = fm_expf(-g);
+    const float s = fm_rcpf(1.0f + e);
+    const float sn = fm_f32_bits(e) == 0x7F800000u ? 1.0f : e * s;
+    *silu = fm_f32_canon(g * s);
+    *dsilu = fm_f32_canon(s * fmaf(g, sn, 1.0f));
+}
+
 FM_HD float fm_dsiluf(float g)
 {
-    float s = fm_sigmoidf(g);
-    return fm_f32_canon(s * fmaf(g, fm_sigmoidf(-g), 1.0f));
+    float a, d;
+    fm_silu_dsiluf(g, &a, &d);
+    return d;
 }
 
 /* ---- the fixed reduction order ---------------------------------------------
