@@ -1,16 +1,23 @@
 /* CUDA permute + pad, bit-exact with backends/cpu/moe_permute.c, without a
  * host synchronisation (unless host_splits is asked for):
- *   1. count the slots per expert (atomic adds: counts are order-free) and
- *      flag ids out of range (-1, a slot with no expert, is skipped: its
- *      slot_rows entry keeps the -1 the memset put there);
- *   2. one thread: padded sizes, offsets, splits, and a flag when the
- *      routing needs more than R rows;
- *   3. one block per expert ranks its slots in slot order with ballots and
- *      a block prefix (stable: rows follow the source token), writing
- *      slot_rows and row_map; skipped entirely when a flag is up, so
- *      nothing is ever written past R;
- *   4. one block per output row moves codes and compact scales (16-byte
- *      vectors when rows allow), zeros and scale 1 for padding.
+ *   1. the slots are cut into chunks of PERM_CH, one warp each: a histogram
+ *      of the chunk's experts (shared-memory counters, then one atomic add
+ *      per chunk and expert into the totals; integer counts are order-free)
+ *      and a flag for ids out of range (-1, a slot with no expert, is
+ *      skipped: its slot_rows entry keeps the -1 the memset put there);
+ *   2. one block: padded sizes, offsets, splits, a flag when the routing
+ *      needs more than R rows, and each chunk's first row per expert (the
+ *      expert's offset plus the counts of the chunks before it);
+ *   3. each warp walks its chunk again in slot order, 32 slots a step: lanes
+ *      with the same expert find each other (match.any) and take
+ *      consecutive rows after the chunk's running counter, so rows follow
+ *      the source slot as on the CPU; skipped when a flag is up, so nothing
+ *      is ever written past R;
+ *   4. one block per token reads its row of codes and compact scales once
+ *      and writes it to each of its slots' rows: the input is read once,
+ *      not k times as a gather by output row reads it;
+ *   5. one warp per output row that no slot took (padding, rows past the
+ *      need) writes zeros, scale 1 and prob 0.
  * A flagged call is reported as FM_ERR_INVALID_ARG when host_splits makes
  * it synchronise; otherwise its outputs hold zero rows and row_map -1. */
 #include "cuda.h"
@@ -18,95 +25,215 @@
 
 enum { PERM_BAD_ID = 1, PERM_TOO_FEW_ROWS = 2 };
 
-__global__ void perm_count_kernel(const int32_t *ids, int64_t n, int E, unsigned long long *cnt, int *flag)
+#define PERM_CH 2048      /* slots per warp chunk */
+#define PERM_SMEM 49152   /* shared memory for the per-warp expert counters without an opt-in */
+
+/* Warps per block of the chunk kernels: each holds E 32-bit counters. */
+static int perm_warps(int64_t E) { return E * 4 * 8 <= PERM_SMEM ? 8 : 1; }
+
+__global__ void perm_hist_kernel(const int32_t *__restrict__ ids, int64_t n, int E, int64_t nchunk,
+                                 uint32_t *__restrict__ hist, unsigned long long *cnt, int *flag)
 {
-    for (int64_t s = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; s < n; s += (int64_t)gridDim.x * blockDim.x) {
-        int e = ids[s];
-        if (e == -1)
-            continue;
-        if (e < 0 || e >= E)
-            atomicOr(flag, PERM_BAD_ID);
+    extern __shared__ uint32_t perm_sh[];
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int64_t c = (int64_t)blockIdx.x * (blockDim.x >> 5) + w;
+    uint32_t *h = perm_sh + (int64_t)w * E;
+    for (int e = lane; e < E; e += 32)
+        h[e] = 0;
+    __syncwarp();
+    if (c >= nchunk)
+        return;
+    const int64_t s1 = c * PERM_CH + PERM_CH < n ? c * PERM_CH + PERM_CH : n;
+    int bad = 0;
+    for (int64_t s = c * PERM_CH + lane; s < s1; s += 32) {
+        const int e = ids[s];
+        if (e >= 0 && e < E)
+            atomicAdd(&h[e], 1u);
         else
-            atomicAdd(&cnt[e], 1ull);
+            bad |= e != -1;
+    }
+    if (__any_sync(0xFFFFFFFFu, bad) && lane == 0)
+        atomicOr(flag, PERM_BAD_ID);
+    __syncwarp();
+    for (int e = lane; e < E; e += 32) {
+        const uint32_t v = h[e];
+        hist[c * E + e] = v;
+        if (v)
+            atomicAdd(&cnt[e], (unsigned long long)v);
     }
 }
 
+/* cnt_off: counts in, offsets out; hist: per-chunk counts in, each chunk's
+ * first row per expert out. */
 __global__ void perm_offsets_kernel(unsigned long long *cnt_off, int E, int64_t pad, int64_t R, int64_t *splits,
-                                    int *flag, int64_t *need)
+                                    int *flag, int64_t *need, uint32_t *hist, int64_t nchunk)
 {
-    int64_t off = 0;
-    for (int e = 0; e < E; e++) {
-        int64_t P = fm_round_up((int64_t)cnt_off[e], pad);
-        splits[e] = P;
-        cnt_off[e] = (unsigned long long)off;
-        off += P;
+    if (threadIdx.x == 0) {
+        int64_t off = 0;
+        for (int e = 0; e < E; e++) {
+            const int64_t P = fm_round_up((int64_t)cnt_off[e], pad);
+            splits[e] = P;
+            cnt_off[e] = (unsigned long long)off;
+            off += P;
+        }
+        *need = off;
+        if (off > R)
+            atomicOr(flag, PERM_TOO_FEW_ROWS);
     }
-    *need = off;
-    if (off > R)
-        atomicOr(flag, PERM_TOO_FEW_ROWS);
-}
-
-__global__ void perm_rank_kernel(const int32_t *ids, int64_t n, const unsigned long long *off, const int *flag,
-                                 int32_t *slot_rows, int32_t *row_map)
-{
-    __shared__ int wsum[32];
+    __syncthreads();
     if (*flag)
         return;
-    int e = blockIdx.x, lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    int64_t base = (int64_t)off[e];
-    for (int64_t c0 = 0; c0 < n; c0 += blockDim.x) {
-        int64_t s = c0 + threadIdx.x;
-        int f = s < n && ids[s] == e;
-        unsigned b = __ballot_sync(0xFFFFFFFFu, f);
-        if (lane == 0)
-            wsum[w] = __popc(b);
-        __syncthreads();
-        int wb = 0, tot = 0;
-        for (int i = 0; i < nw; i++) {
-            wb += i < w ? wsum[i] : 0;
-            tot += wsum[i];
+    /* Rows stay below R <= 2^31 (row_map is I32), so the bases fit 32 bits. */
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        uint32_t base = (uint32_t)cnt_off[e];
+        for (int64_t c = 0; c < nchunk; c++) {
+            const uint32_t v = hist[c * E + e];
+            hist[c * E + e] = base;
+            base += v;
         }
-        if (f) {
-            int64_t row = base + wb + __popc(b & ((1u << lane) - 1u));
+    }
+}
+
+__global__ void perm_place_kernel(const int32_t *__restrict__ ids, int64_t n, int E, int64_t nchunk,
+                                  const uint32_t *__restrict__ base, const int *flag, int32_t *__restrict__ slot_rows,
+                                  int32_t *__restrict__ row_map)
+{
+    extern __shared__ uint32_t perm_sh[];
+    if (*flag)
+        return;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int64_t c = (int64_t)blockIdx.x * (blockDim.x >> 5) + w;
+    if (c >= nchunk)
+        return;
+    uint32_t *run = perm_sh + (int64_t)w * E;
+    for (int e = lane; e < E; e += 32)
+        run[e] = base[c * E + e];
+    __syncwarp();
+    const int64_t s1 = c * PERM_CH + PERM_CH < n ? c * PERM_CH + PERM_CH : n;
+    const unsigned below = (1u << lane) - 1u;
+    for (int64_t s0 = c * PERM_CH; s0 < s1; s0 += 32) {
+        const int64_t s = s0 + lane;
+        const int e = s < s1 ? ids[s] : -1;
+        const unsigned peers = __match_any_sync(0xFFFFFFFFu, e);
+        uint32_t row = 0;
+        if (e >= 0) {
+            row = run[e] + __popc(peers & below);
             slot_rows[s] = (int32_t)row;
             row_map[row] = (int32_t)s;
         }
-        base += tot;
-        __syncthreads();
+        __syncwarp();
+        if (e >= 0 && (peers & below) == 0)
+            run[e] = row + __popc(peers);
+        __syncwarp();
     }
 }
 
-__global__ void perm_copy_kernel(const uint8_t *x, const uint8_t *xs, const int32_t *row_map, const float *probs,
-                                 int64_t R, int64_t k, int64_t rb, int64_t sb, int e8, int vec, uint8_t *out,
-                                 uint8_t *outs, float *out_probs)
+#define PERM_SCATTER_THREADS 128
+#define PERM_UNROLL 4
+
+__global__ void __launch_bounds__(PERM_SCATTER_THREADS)
+    perm_scatter_kernel(const uint8_t *__restrict__ x, const uint8_t *__restrict__ xs,
+                        const int32_t *__restrict__ slot_rows, const float *__restrict__ probs, int64_t k, int64_t rb,
+                        int64_t sb, int vec, int svec, uint8_t *__restrict__ out, uint8_t *__restrict__ outs,
+                        float *__restrict__ out_probs)
 {
-    int64_t r = blockIdx.x;
-    int32_t s = row_map[r];
-    uint8_t *dst = out + r * rb;
-    const uint8_t *src = s >= 0 ? x + (int64_t)(s / k) * rb : NULL;
+    const int64_t t = blockIdx.x;
+    const int32_t *dst = slot_rows + t * k;
+    int any = 0;
+    for (int64_t j = 0; j < k; j++)
+        any |= dst[j] >= 0;
+    if (!any)
+        return; /* every choice dropped: nothing reads this row */
+    const int tid = threadIdx.x;
     if (vec) {
-        for (int64_t i = threadIdx.x; i < rb / 16; i += blockDim.x)
-            ((uint4 *)dst)[i] = src ? ((const uint4 *)src)[i] : make_uint4(0, 0, 0, 0);
+        const uint4 *src = (const uint4 *)(x + t * rb);
+        const int64_t n16 = rb / 16;
+        for (int64_t i0 = 0; i0 < n16; i0 += PERM_UNROLL * PERM_SCATTER_THREADS) {
+            uint4 v[PERM_UNROLL];
+#pragma unroll
+            for (int u = 0; u < PERM_UNROLL; u++) {
+                const int64_t i = i0 + u * PERM_SCATTER_THREADS + tid;
+                if (i < n16)
+                    v[u] = __ldcs(src + i);
+            }
+            for (int64_t j = 0; j < k; j++) {
+                const int32_t d = dst[j];
+                if (d < 0)
+                    continue;
+                uint4 *o = (uint4 *)(out + (int64_t)d * rb);
+#pragma unroll
+                for (int u = 0; u < PERM_UNROLL; u++) {
+                    const int64_t i = i0 + u * PERM_SCATTER_THREADS + tid;
+                    if (i < n16)
+                        o[i] = v[u];
+                }
+            }
+        }
     } else {
-        for (int64_t i = threadIdx.x; i < rb; i += blockDim.x)
-            dst[i] = src ? src[i] : 0;
-    }
-    if (sb) {
-        uint8_t *sd = outs + r * sb;
-        if (s >= 0) {
-            const uint8_t *ss = xs + (int64_t)(s / k) * sb;
-            for (int64_t i = threadIdx.x; i < sb; i += blockDim.x)
-                sd[i] = ss[i];
-        } else if (e8) {
-            for (int64_t i = threadIdx.x; i < sb; i += blockDim.x)
-                sd[i] = 127;
-        } else {
-            for (int64_t i = threadIdx.x; i < sb / 4; i += blockDim.x)
-                ((float *)sd)[i] = 1.0f;
+        const uint8_t *src = x + t * rb;
+        for (int64_t i = tid; i < rb; i += PERM_SCATTER_THREADS) {
+            const uint8_t v = src[i];
+            for (int64_t j = 0; j < k; j++)
+                if (dst[j] >= 0)
+                    out[(int64_t)dst[j] * rb + i] = v;
         }
     }
-    if (out_probs && threadIdx.x == 0)
-        out_probs[r] = s >= 0 ? probs[s] : 0.0f;
+    if (sb) {
+        if (svec) {
+            const uint32_t *ss = (const uint32_t *)(xs + t * sb);
+            for (int64_t i = tid; i < sb / 4; i += PERM_SCATTER_THREADS) {
+                const uint32_t v = ss[i];
+                for (int64_t j = 0; j < k; j++)
+                    if (dst[j] >= 0)
+                        ((uint32_t *)(outs + (int64_t)dst[j] * sb))[i] = v;
+            }
+        } else {
+            const uint8_t *ss = xs + t * sb;
+            for (int64_t i = tid; i < sb; i += PERM_SCATTER_THREADS) {
+                const uint8_t v = ss[i];
+                for (int64_t j = 0; j < k; j++)
+                    if (dst[j] >= 0)
+                        outs[(int64_t)dst[j] * sb + i] = v;
+            }
+        }
+    }
+    if (out_probs)
+        for (int64_t j = tid; j < k; j += PERM_SCATTER_THREADS)
+            if (dst[j] >= 0)
+                out_probs[dst[j]] = probs[t * k + j];
+}
+
+/* Rows no slot took: zero codes, scale 1 (E8M0 127), prob 0. */
+__global__ void perm_fill_kernel(const int32_t *__restrict__ row_map, int64_t R, int64_t rb, int64_t sb, int e8,
+                                 int vec, uint8_t *__restrict__ out, uint8_t *__restrict__ outs,
+                                 float *__restrict__ out_probs)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t nw = (int64_t)gridDim.x * (blockDim.x >> 5);
+    for (int64_t r = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < R; r += nw) {
+        if (row_map[r] >= 0)
+            continue;
+        uint8_t *d = out + r * rb;
+        if (vec) {
+            for (int64_t i = lane; i < rb / 16; i += 32)
+                ((uint4 *)d)[i] = make_uint4(0, 0, 0, 0);
+        } else {
+            for (int64_t i = lane; i < rb; i += 32)
+                d[i] = 0;
+        }
+        if (sb) {
+            uint8_t *sd = outs + r * sb;
+            if (e8) {
+                for (int64_t i = lane; i < sb; i += 32)
+                    sd[i] = 127;
+            } else {
+                for (int64_t i = lane; i < sb / 4; i += 32)
+                    ((float *)sd)[i] = 1.0f;
+            }
+        }
+        if (out_probs && lane == 0)
+            out_probs[r] = 0.0f;
+    }
 }
 
 extern "C" fm_status fm_cuda_moe_permute(fm_context *ctx, const fm_permute_config *cfg, const fm_tensor *x,
@@ -114,19 +241,29 @@ extern "C" fm_status fm_cuda_moe_permute(fm_context *ctx, const fm_permute_confi
                                          fm_tensor *row_map, fm_tensor *slot_rows, fm_tensor *splits,
                                          fm_tensor *out_probs, int64_t *host_splits)
 {
+    int64_t T = x->shape[0], H = x->shape[1], k = expert_ids->shape[1], E = splits->shape[1], R = out->shape[0];
+    int64_t n = T * k, pad = cfg->pad_multiple > 1 ? cfg->pad_multiple : 1;
+    const int wpb = perm_warps(E);
+    const size_t shm = (size_t)wpb * (size_t)E * 4;
+    if (shm > fm_cuda(ctx)->prop.sharedMemPerBlockOptin)
+        return fm_error(ctx, FM_ERR_UNSUPPORTED,
+                        "splits: %lld experts need %zu bytes of shared memory for the CUDA permute's counters, more "
+                        "than this device's %zu",
+                        (long long)E, shm, (size_t)fm_cuda(ctx)->prop.sharedMemPerBlockOptin);
     fm_cuda_device_guard g;
     fm_status st = fm_cuda_enter(ctx, &g, "fm_moe_permute");
     if (st)
         return st;
-    int64_t T = x->shape[0], H = x->shape[1], k = expert_ids->shape[1], E = splits->shape[1], R = out->shape[0];
-    int64_t n = T * k, pad = cfg->pad_multiple > 1 ? cfg->pad_multiple : 1;
     int64_t rb = x->dtype == FM_DTYPE_E2M1 ? H / 2 : H * (fm_dtype_bits(x->dtype) / 8);
     int64_t sb = x->scale_mode == FM_SCALE_NONE
                      ? 0
                      : fm_cdiv(H, fm_mode_block_cols(x->scale_mode)) * (fm_dtype_bits(x->scale_dtype) / 8);
     cudaStream_t s = fm_cuda_stream(ctx);
-    /* scratch: E counts/offsets, the flag, the needed row count */
-    size_t bytes = (size_t)E * 8 + 16;
+    const int64_t nchunk = fm_cdiv(n, PERM_CH);
+    /* scratch: E counts/offsets, the needed row count, the flag, then the
+     * per-chunk counts / first rows */
+    const size_t head = (size_t)E * 8 + 16;
+    size_t bytes = head + (size_t)nchunk * (size_t)E * 4;
     void *scr;
     int owned;
     if ((st = fm_cuda_scratch(ctx, bytes, &scr, &owned, "fm_moe_permute"))) {
@@ -136,25 +273,41 @@ extern "C" fm_status fm_cuda_moe_permute(fm_context *ctx, const fm_permute_confi
     unsigned long long *cnt = (unsigned long long *)scr;
     int64_t *need = (int64_t *)((uint8_t *)scr + E * 8);
     int *flag = (int *)(need + 1);
-    cudaError_t err = cudaMemsetAsync(scr, 0, bytes, s);
+    uint32_t *hist = (uint32_t *)((uint8_t *)scr + head);
+    cudaError_t err = cudaMemsetAsync(scr, 0, head, s);
     if (err == cudaSuccess && R > 0)
         err = cudaMemsetAsync(row_map->data, 0xFF, (size_t)R * 4, s); /* -1 */
     if (err == cudaSuccess && n > 0)
         err = cudaMemsetAsync(slot_rows->data, 0xFF, (size_t)n * 4, s); /* -1: slots with no expert */
+    if (err == cudaSuccess && shm > PERM_SMEM) {
+        err = cudaFuncSetAttribute(perm_hist_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm);
+        if (err == cudaSuccess)
+            err = cudaFuncSetAttribute(perm_place_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm);
+    }
     if (err == cudaSuccess) {
+        const unsigned cb = (unsigned)fm_cdiv(nchunk, wpb);
         if (n > 0)
-            perm_count_kernel<<<(unsigned)((n + 255) / 256 < 1024 ? (n + 255) / 256 : 1024), 256, 0, s>>>(
-                (const int32_t *)expert_ids->data, n, (int)E, cnt, flag);
-        perm_offsets_kernel<<<1, 1, 0, s>>>(cnt, (int)E, pad, R, (int64_t *)splits->data, flag, need);
-        if (n > 0)
-            perm_rank_kernel<<<(unsigned)E, 1024, 0, s>>>((const int32_t *)expert_ids->data, n, cnt, flag,
-                                                          (int32_t *)slot_rows->data, (int32_t *)row_map->data);
-        int vec = rb % 16 == 0 && ((uintptr_t)x->data % 16) == 0 && ((uintptr_t)out->data % 16) == 0;
-        if (R > 0)
-            perm_copy_kernel<<<(unsigned)R, 128, 0, s>>>(
-                (const uint8_t *)x->data, (const uint8_t *)x->scale, (const int32_t *)row_map->data,
-                probs ? (const float *)probs->data : NULL, R, k, rb, sb, x->scale_dtype == FM_DTYPE_E8M0, vec,
+            perm_hist_kernel<<<cb, 32 * wpb, shm, s>>>((const int32_t *)expert_ids->data, n, (int)E, nchunk, hist,
+                                                       cnt, flag);
+        perm_offsets_kernel<<<1, 1024, 0, s>>>(cnt, (int)E, pad, R, (int64_t *)splits->data, flag, need, hist,
+                                               nchunk);
+        if (n > 0) {
+            perm_place_kernel<<<cb, 32 * wpb, shm, s>>>((const int32_t *)expert_ids->data, n, (int)E, nchunk, hist,
+                                                        flag, (int32_t *)slot_rows->data, (int32_t *)row_map->data);
+            const int vec = rb % 16 == 0 && ((uintptr_t)x->data % 16) == 0 && ((uintptr_t)out->data % 16) == 0;
+            const int svec = sb % 4 == 0 && ((uintptr_t)x->scale % 4) == 0 && ((uintptr_t)out->scale % 4) == 0;
+            perm_scatter_kernel<<<(unsigned)T, PERM_SCATTER_THREADS, 0, s>>>(
+                (const uint8_t *)x->data, (const uint8_t *)x->scale, (const int32_t *)slot_rows->data,
+                probs ? (const float *)probs->data : NULL, k, rb, sb, vec, svec, (uint8_t *)out->data,
+                (uint8_t *)out->scale, out_probs ? (float *)out_probs->data : NULL);
+        }
+        if (R > 0) {
+            const int vec = rb % 16 == 0 && ((uintptr_t)out->data % 16) == 0;
+            const int64_t nb = fm_cdiv(R, 8);
+            perm_fill_kernel<<<(unsigned)(nb < 132 * 16 ? nb : 132 * 16), 256, 0, s>>>(
+                (const int32_t *)row_map->data, R, rb, sb, x->scale_dtype == FM_DTYPE_E8M0, vec,
                 (uint8_t *)out->data, (uint8_t *)out->scale, out_probs ? (float *)out_probs->data : NULL);
+        }
         err = cudaGetLastError();
     }
     int hflag = 0;
