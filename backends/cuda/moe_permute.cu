@@ -1,6 +1,6 @@
 /* CUDA permute + pad, bit-exact with backends/cpu/moe_permute.c, without a
  * host synchronisation (unless host_splits is asked for):
- *   1. the slots are cut into chunks of PERM_CH, one warp each: a histogram
+ *   1. the slots are cut into chunks (perm_chunk), one warp each: a histogram
  *      of the chunk's experts (shared-memory counters, then one atomic add
  *      per chunk and expert into the totals; integer counts are order-free)
  *      and a flag for ids out of range (-1, a slot with no expert, is
@@ -16,8 +16,8 @@
  *   4. one block per token reads its row of codes and compact scales once
  *      and writes it to each of its slots' rows: the input is read once,
  *      not k times as a gather by output row reads it;
- *   5. one warp per output row that no slot took (padding, rows past the
- *      need) writes zeros, scale 1 and prob 0.
+ *   5. the output rows that no slot took (padding, rows past the need),
+ *      found 32 at a time by a warp's ballot, get zeros, scale 1, prob 0.
  * A flagged call is reported as FM_ERR_INVALID_ARG when host_splits makes
  * it synchronise; otherwise its outputs hold zero rows and row_map -1. */
 #include "cuda.h"
@@ -25,13 +25,15 @@
 
 enum { PERM_BAD_ID = 1, PERM_TOO_FEW_ROWS = 2 };
 
-#define PERM_CH 2048      /* slots per warp chunk */
+/* Slots per warp chunk: short chunks give more warps; long ones keep the
+ * per-chunk counters (chunks x E) small when there are many experts. */
+static int64_t perm_chunk(int64_t E) { return E <= 256 ? 256 : 2048; }
 #define PERM_SMEM 49152   /* shared memory for the per-warp expert counters without an opt-in */
 
 /* Warps per block of the chunk kernels: each holds E 32-bit counters. */
 static int perm_warps(int64_t E) { return E * 4 * 8 <= PERM_SMEM ? 8 : 1; }
 
-__global__ void perm_hist_kernel(const int32_t *__restrict__ ids, int64_t n, int E, int64_t nchunk,
+__global__ void perm_hist_kernel(const int32_t *__restrict__ ids, int64_t n, int E, int64_t ch, int64_t nchunk,
                                  uint32_t *__restrict__ hist, unsigned long long *cnt, int *flag)
 {
     extern __shared__ uint32_t perm_sh[];
@@ -43,9 +45,9 @@ __global__ void perm_hist_kernel(const int32_t *__restrict__ ids, int64_t n, int
     __syncwarp();
     if (c >= nchunk)
         return;
-    const int64_t s1 = c * PERM_CH + PERM_CH < n ? c * PERM_CH + PERM_CH : n;
+    const int64_t s1 = c * ch + ch < n ? c * ch + ch : n;
     int bad = 0;
-    for (int64_t s = c * PERM_CH + lane; s < s1; s += 32) {
+    for (int64_t s = c * ch + lane; s < s1; s += 32) {
         const int e = ids[s];
         if (e >= 0 && e < E)
             atomicAdd(&h[e], 1u);
@@ -83,18 +85,29 @@ __global__ void perm_offsets_kernel(unsigned long long *cnt_off, int E, int64_t 
     __syncthreads();
     if (*flag)
         return;
-    /* Rows stay below R <= 2^31 (row_map is I32), so the bases fit 32 bits. */
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        uint32_t base = (uint32_t)cnt_off[e];
-        for (int64_t c = 0; c < nchunk; c++) {
-            const uint32_t v = hist[c * E + e];
-            hist[c * E + e] = base;
-            base += v;
+    /* A warp per expert scans its chunk counts 32 at a time. Rows stay
+     * below R <= 2^31 (row_map is I32), so the bases fit 32 bits. */
+    const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    for (int e = threadIdx.x >> 5; e < E; e += nw) {
+        uint32_t carry = (uint32_t)cnt_off[e];
+        for (int64_t c0 = 0; c0 < nchunk; c0 += 32) {
+            const int64_t c = c0 + lane;
+            const uint32_t v = c < nchunk ? hist[c * E + e] : 0;
+            uint32_t x = v;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const uint32_t y = __shfl_up_sync(0xFFFFFFFFu, x, o);
+                if (lane >= o)
+                    x += y;
+            }
+            if (c < nchunk)
+                hist[c * E + e] = carry + x - v;
+            carry += __shfl_sync(0xFFFFFFFFu, x, 31);
         }
     }
 }
 
-__global__ void perm_place_kernel(const int32_t *__restrict__ ids, int64_t n, int E, int64_t nchunk,
+__global__ void perm_place_kernel(const int32_t *__restrict__ ids, int64_t n, int E, int64_t ch, int64_t nchunk,
                                   const uint32_t *__restrict__ base, const int *flag, int32_t *__restrict__ slot_rows,
                                   int32_t *__restrict__ row_map)
 {
@@ -109,9 +122,9 @@ __global__ void perm_place_kernel(const int32_t *__restrict__ ids, int64_t n, in
     for (int e = lane; e < E; e += 32)
         run[e] = base[c * E + e];
     __syncwarp();
-    const int64_t s1 = c * PERM_CH + PERM_CH < n ? c * PERM_CH + PERM_CH : n;
+    const int64_t s1 = c * ch + ch < n ? c * ch + ch : n;
     const unsigned below = (1u << lane) - 1u;
-    for (int64_t s0 = c * PERM_CH; s0 < s1; s0 += 32) {
+    for (int64_t s0 = c * ch; s0 < s1; s0 += 32) {
         const int64_t s = s0 + lane;
         const int e = s < s1 ? ids[s] : -1;
         const unsigned peers = __match_any_sync(0xFFFFFFFFu, e);
@@ -210,29 +223,33 @@ __global__ void perm_fill_kernel(const int32_t *__restrict__ row_map, int64_t R,
 {
     const int lane = threadIdx.x & 31;
     const int64_t nw = (int64_t)gridDim.x * (blockDim.x >> 5);
-    for (int64_t r = (int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < R; r += nw) {
-        if (row_map[r] >= 0)
-            continue;
-        uint8_t *d = out + r * rb;
-        if (vec) {
-            for (int64_t i = lane; i < rb / 16; i += 32)
-                ((uint4 *)d)[i] = make_uint4(0, 0, 0, 0);
-        } else {
-            for (int64_t i = lane; i < rb; i += 32)
-                d[i] = 0;
-        }
-        if (sb) {
-            uint8_t *sd = outs + r * sb;
-            if (e8) {
-                for (int64_t i = lane; i < sb; i += 32)
-                    sd[i] = 127;
+    /* A warp looks at 32 rows at once and fills the ones no slot took. */
+    for (int64_t r0 = ((int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * 32; r0 < R; r0 += nw * 32) {
+        unsigned todo = __ballot_sync(0xFFFFFFFFu, r0 + lane < R && row_map[r0 + lane] < 0);
+        while (todo) {
+            const int64_t r = r0 + __ffs(todo) - 1;
+            todo &= todo - 1;
+            uint8_t *d = out + r * rb;
+            if (vec) {
+                for (int64_t i = lane; i < rb / 16; i += 32)
+                    ((uint4 *)d)[i] = make_uint4(0, 0, 0, 0);
             } else {
-                for (int64_t i = lane; i < sb / 4; i += 32)
-                    ((float *)sd)[i] = 1.0f;
+                for (int64_t i = lane; i < rb; i += 32)
+                    d[i] = 0;
             }
+            if (sb) {
+                uint8_t *sd = outs + r * sb;
+                if (e8) {
+                    for (int64_t i = lane; i < sb; i += 32)
+                        sd[i] = 127;
+                } else {
+                    for (int64_t i = lane; i < sb / 4; i += 32)
+                        ((float *)sd)[i] = 1.0f;
+                }
+            }
+            if (out_probs && lane == 0)
+                out_probs[r] = 0.0f;
         }
-        if (out_probs && lane == 0)
-            out_probs[r] = 0.0f;
     }
 }
 
@@ -259,7 +276,7 @@ extern "C" fm_status fm_cuda_moe_permute(fm_context *ctx, const fm_permute_confi
                      ? 0
                      : fm_cdiv(H, fm_mode_block_cols(x->scale_mode)) * (fm_dtype_bits(x->scale_dtype) / 8);
     cudaStream_t s = fm_cuda_stream(ctx);
-    const int64_t nchunk = fm_cdiv(n, PERM_CH);
+    const int64_t ch = perm_chunk(E), nchunk = fm_cdiv(n, ch);
     /* scratch: E counts/offsets, the needed row count, the flag, then the
      * per-chunk counts / first rows */
     const size_t head = (size_t)E * 8 + 16;
@@ -287,13 +304,13 @@ extern "C" fm_status fm_cuda_moe_permute(fm_context *ctx, const fm_permute_confi
     if (err == cudaSuccess) {
         const unsigned cb = (unsigned)fm_cdiv(nchunk, wpb);
         if (n > 0)
-            perm_hist_kernel<<<cb, 32 * wpb, shm, s>>>((const int32_t *)expert_ids->data, n, (int)E, nchunk, hist,
-                                                       cnt, flag);
+            perm_hist_kernel<<<cb, 32 * wpb, shm, s>>>((const int32_t *)expert_ids->data, n, (int)E, ch, nchunk,
+                                                       hist, cnt, flag);
         perm_offsets_kernel<<<1, 1024, 0, s>>>(cnt, (int)E, pad, R, (int64_t *)splits->data, flag, need, hist,
                                                nchunk);
         if (n > 0) {
-            perm_place_kernel<<<cb, 32 * wpb, shm, s>>>((const int32_t *)expert_ids->data, n, (int)E, nchunk, hist,
-                                                        flag, (int32_t *)slot_rows->data, (int32_t *)row_map->data);
+            perm_place_kernel<<<cb, 32 * wpb, shm, s>>>((const int32_t *)expert_ids->data, n, (int)E, ch, nchunk,
+                                                        hist, flag, (int32_t *)slot_rows->data, (int32_t *)row_map->data);
             const int vec = rb % 16 == 0 && ((uintptr_t)x->data % 16) == 0 && ((uintptr_t)out->data % 16) == 0;
             const int svec = sb % 4 == 0 && ((uintptr_t)x->scale % 4) == 0 && ((uintptr_t)out->scale % 4) == 0;
             perm_scatter_kernel<<<(unsigned)T, PERM_SCATTER_THREADS, 0, s>>>(
@@ -303,7 +320,7 @@ extern "C" fm_status fm_cuda_moe_permute(fm_context *ctx, const fm_permute_confi
         }
         if (R > 0) {
             const int vec = rb % 16 == 0 && ((uintptr_t)out->data % 16) == 0;
-            const int64_t nb = fm_cdiv(R, 8);
+            const int64_t nb = fm_cdiv(R, 8 * 32);
             perm_fill_kernel<<<(unsigned)(nb < 132 * 16 ? nb : 132 * 16), 256, 0, s>>>(
                 (const int32_t *)row_map->data, R, rb, sb, x->scale_dtype == FM_DTYPE_E8M0, vec,
                 (uint8_t *)out->data, (uint8_t *)out->scale, out_probs ? (float *)out_probs->data : NULL);
