@@ -63,7 +63,8 @@ FM_HD float fm_bits_f32(uint32_t u)
 #endif
 }
 
-FM_HD int fm_f32_is_nan(float f) { return (fm_f32_bits(f) & 0x7FFFFFFFu) > 0x7F800000u; }
+/* f != f: one compare on either side (the build never enables finite-math). */
+FM_HD int fm_f32_is_nan(float f) { return f != f; }
 FM_HD int fm_f32_is_finite(float f) { return (fm_f32_bits(f) & 0x7F800000u) != 0x7F800000u; }
 FM_HD float fm_f32_abs(float f) { return fm_bits_f32(fm_f32_bits(f) & 0x7FFFFFFFu); }
 FM_HD float fm_f32_canon(float f) { return fm_f32_is_nan(f) ? fm_bits_f32(FM_F32_CANON_NAN) : f; }

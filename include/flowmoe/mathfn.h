@@ -43,37 +43,39 @@ FM_HD float fm_rcpf(float x)
 }
 
 /* e^x with at most 1 ulp of error (tests/test_mathfn_exp_is_accurate bounds
- * it over a dense sweep), in four steps:
- *  1. specials: NaN -> canonical NaN; x > 88.72284 (ln of the largest F32,
- *     rounded up) -> +Inf, which covers +Inf; x < -103.97208 (below
- *     ln 2^-150, where every result rounds to 0) -> +0, which covers -Inf.
+ * it over a dense sweep), in four steps, without a branch (the GPU runs it
+ * per element in the SwiGLU kernels, where branches and their convergence
+ * bookkeeping cost as much as the arithmetic):
+ *  1. x is clamped to [-104, 89] (NaN to 89) so that the steps below stay in
+ *     range; the specials are selected at the end: NaN -> canonical NaN,
+ *     x > 88.72284 (ln of the largest F32, rounded up) -> +Inf, which covers
+ *     +Inf; x < -103.97208 (below ln 2^-150, where every result rounds to 0)
+ *     -> +0, which covers -Inf.
  *  2. n = round(x / ln 2) by the 1.5 * 2^23 trick (|x / ln 2| < 151, so the
- *     add rounds to an integer exactly, ties to even).
+ *     add rounds to an integer exactly, ties to even); n is read from the
+ *     bits of t = 1.5 * 2^23 + n, whose ulp is 1 there.
  *  3. r = x - n ln 2 with a Cody-Waite split of ln 2: LN2_HI has 16
  *     significant bits, so n * LN2_HI is exact for |n| <= 150 and the first
  *     fmaf loses nothing; LN2_LO carries the rest. |r| <= 0.3466.
  *  4. e^r by its degree-7 Taylor polynomial in Horner form with fmaf (the
  *     truncation error r^8 / 8! < 6e-9 relative, a tenth of an ulp), then
- *     times 2^n in one rounding: for n < -126 (subnormal results) the first
- *     multiply by 2^(n+24) is exact and only the multiply by 2^-24 rounds;
- *     for n = 128 the multiply by 2^127 is exact and the one by 2 rounds
- *     (to +Inf when the result overflows). */
+ *     times 2^n as (p * 2^n1) * 2^(n - n1) with n1 = n / 2: both
+ *     powers are normal for n in [-151, 129], the first product is exact,
+ *     so the result is p * 2^n rounded once (subnormal results and the
+ *     overflow to +Inf included). An exhaustive comparison over all 2^32
+ *     inputs gave the same bits as the earlier branchy form. */
 FM_HD float fm_expf(float x)
 {
-    if (fm_f32_is_nan(x))
-        return fm_bits_f32(FM_F32_CANON_NAN);
-    if (x > 88.72284f)
-        return fm_bits_f32(0x7F800000u);
-    if (x < -103.97208f)
-        return 0.0f;
     const float LOG2E = 1.44269502f;
     const float LN2_HI = 0.693145752f; /* 0x3F317200: 16 significant bits */
     const float LN2_LO = 1.42860677e-06f; /* ln 2 - LN2_HI, rounded to F32 */
-    const float SHIFT = 12582912.0f;      /* 1.5 * 2^23 */
-    float t = x * LOG2E + SHIFT;
+    const float SHIFT = 12582912.0f;      /* 1.5 * 2^23, bits 0x4B400000 */
+    float xc = x < 89.0f ? x : 89.0f;
+    xc = xc > -104.0f ? xc : -104.0f;
+    float t = xc * LOG2E + SHIFT;
     float nf = t - SHIFT;
-    int n = (int)nf;
-    float r = fmaf(-nf, LN2_HI, x);
+    int n = (int)(fm_f32_bits(t) - 0x4B400000u);
+    float r = fmaf(-nf, LN2_HI, xc);
     r = fmaf(-nf, LN2_LO, r);
     float p = 1.98412698e-04f; /* 1/7! */
     p = fmaf(p, r, 1.38888889e-03f); /* 1/6! */
@@ -83,20 +85,18 @@ FM_HD float fm_expf(float x)
     p = fmaf(p, r, 0.5f);
     p = fmaf(p, r, 1.0f);
     p = fmaf(p, r, 1.0f);
-    if (n < -126)
-        return (p * fm_exp2i(n + 24)) * fm_exp2i(-24);
-    if (n > 127)
-        return (p * fm_exp2i(127)) * 2.0f;
-    return p * fm_exp2i(n);
+    const int n1 = n / 2;
+    float y = (p * fm_bits_f32((uint32_t)(n1 + 127) << 23)) * fm_bits_f32((uint32_t)(n - n1 + 127) << 23);
+    y = x > 88.72284f ? fm_bits_f32(0x7F800000u) : y;
+    y = x < -103.97208f ? 0.0f : y;
+    return fm_f32_is_nan(x) ? fm_bits_f32(FM_F32_CANON_NAN) : y;
 }
 
 /* sigmoid(x) = 1 / (1 + e^-x): three rounded operations after fm_expf.
  * -Inf -> 0, +Inf -> 1, NaN -> NaN. */
 FM_HD float fm_sigmoidf(float x)
 {
-    if (fm_f32_is_nan(x))
-        return fm_bits_f32(FM_F32_CANON_NAN);
-    return fm_rcpf(1.0f + fm_expf(-x));
+    return fm_f32_canon(fm_rcpf(1.0f + fm_expf(-x)));
 }
 
 /* silu(g) = g * sigmoid(g), one more rounded multiply. silu(+Inf) = +Inf,
