@@ -5,9 +5,10 @@
  *      per chunk and expert into the totals; integer counts are order-free)
  *      and a flag for ids out of range (-1, a slot with no expert, is
  *      skipped: its slot_rows entry keeps the -1 the memset put there);
- *   2. one block: padded sizes, offsets, splits, a flag when the routing
- *      needs more than R rows, and each chunk's first row per expert (the
- *      expert's offset plus the counts of the chunks before it);
+ *   2. one block: padded sizes, offsets and splits (a block scan), a flag
+ *      when the routing needs more than R rows, and each chunk's first row
+ *      per expert (the expert's offset plus the counts of the chunks
+ *      before it);
  *   3. each warp walks its chunk again in slot order, 32 slots a step: lanes
  *      with the same expert find each other (match.any) and take
  *      consecutive rows after the chunk's running counter, so rows follow
@@ -16,8 +17,8 @@
  *   4. one block per token reads its row of codes and compact scales once
  *      and writes it to each of its slots' rows: the input is read once,
  *      not k times as a gather by output row reads it;
- *   5. the output rows that no slot took (padding, rows past the need),
- *      found 32 at a time by a warp's ballot, get zeros, scale 1, prob 0.
+ *   5. the output rows that no slot took (each expert's padding, known
+ *      from step 2, and the rows past the need) get zeros, scale 1, prob 0.
  * A flagged call is reported as FM_ERR_INVALID_ARG when host_splits makes
  * it synchronise; otherwise its outputs hold zero rows and row_map -1. */
 #include "cuda.h"
@@ -65,21 +66,48 @@ __global__ void perm_hist_kernel(const int32_t *__restrict__ ids, int64_t n, int
     }
 }
 
-/* cnt_off: counts in, offsets out; hist: per-chunk counts in, each chunk's
- * first row per expert out. */
-__global__ void perm_offsets_kernel(unsigned long long *cnt_off, int E, int64_t pad, int64_t R, int64_t *splits,
-                                    int *flag, int64_t *need, uint32_t *hist, int64_t nchunk)
+/* cnt_off: counts in, offsets out; padbeg: each expert's first padding row;
+ * hist: per-chunk counts in, each chunk's first row per expert out. The
+ * padded sizes are scanned by the whole block, 1024 experts at a time. */
+__global__ void perm_offsets_kernel(unsigned long long *cnt_off, int64_t *padbeg, int E, int64_t pad, int64_t R,
+                                    int64_t *splits, int *flag, int64_t *need, uint32_t *hist, int64_t nchunk)
 {
-    if (threadIdx.x == 0) {
-        int64_t off = 0;
-        for (int e = 0; e < E; e++) {
-            const int64_t P = fm_round_up((int64_t)cnt_off[e], pad);
+    __shared__ int64_t wsum[32];
+    __shared__ int64_t carry;
+    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, nw = blockDim.x >> 5;
+    if (tid == 0)
+        carry = 0;
+    __syncthreads();
+    for (int e0 = 0; e0 < E; e0 += blockDim.x) {
+        const int e = e0 + tid;
+        const int64_t c = e < E ? (int64_t)cnt_off[e] : 0, P = fm_round_up(c, pad);
+        int64_t x = P;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int64_t y = __shfl_up_sync(0xFFFFFFFFu, x, o);
+            if (lane >= o)
+                x += y;
+        }
+        if (lane == 31)
+            wsum[w] = x;
+        __syncthreads();
+        int64_t before = carry;
+        for (int i = 0; i < w; i++)
+            before += wsum[i];
+        if (e < E) {
+            const int64_t off = before + x - P;
             splits[e] = P;
             cnt_off[e] = (unsigned long long)off;
-            off += P;
+            padbeg[e] = off + c;
         }
-        *need = off;
-        if (off > R)
+        __syncthreads();
+        if (tid == blockDim.x - 1)
+            carry = before + x;
+        __syncthreads();
+    }
+    if (tid == 0) {
+        *need = carry;
+        if (carry > R)
             atomicOr(flag, PERM_TOO_FEW_ROWS);
     }
     __syncthreads();
@@ -87,9 +115,8 @@ __global__ void perm_offsets_kernel(unsigned long long *cnt_off, int E, int64_t 
         return;
     /* A warp per expert scans its chunk counts 32 at a time. Rows stay
      * below R <= 2^31 (row_map is I32), so the bases fit 32 bits. */
-    const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    for (int e = threadIdx.x >> 5; e < E; e += nw) {
-        uint32_t carry = (uint32_t)cnt_off[e];
+    for (int e = w; e < E; e += nw) {
+        uint32_t base = (uint32_t)cnt_off[e];
         for (int64_t c0 = 0; c0 < nchunk; c0 += 32) {
             const int64_t c = c0 + lane;
             const uint32_t v = c < nchunk ? hist[c * E + e] : 0;
@@ -101,8 +128,8 @@ __global__ void perm_offsets_kernel(unsigned long long *cnt_off, int E, int64_t 
                     x += y;
             }
             if (c < nchunk)
-                hist[c * E + e] = carry + x - v;
-            carry += __shfl_sync(0xFFFFFFFFu, x, 31);
+                hist[c * E + e] = base + x - v;
+            base += __shfl_sync(0xFFFFFFFFu, x, 31);
         }
     }
 }
@@ -216,38 +243,46 @@ __global__ void __launch_bounds__(PERM_SCATTER_THREADS)
                 out_probs[dst[j]] = probs[t * k + j];
 }
 
-/* Rows no slot took: zero codes, scale 1 (E8M0 127), prob 0. */
-__global__ void perm_fill_kernel(const int32_t *__restrict__ row_map, int64_t R, int64_t rb, int64_t sb, int e8,
-                                 int vec, uint8_t *__restrict__ out, uint8_t *__restrict__ outs,
-                                 float *__restrict__ out_probs)
+/* Rows no slot took: zero codes, scale 1 (E8M0 127), prob 0. They are
+ * known without looking: segment y < E is expert y's padding, [padbeg,
+ * offset + P), segment E the rows past the need (every row of a flagged
+ * call); blocks stride over a segment's rows, a block a row at a time. */
+__global__ void __launch_bounds__(128)
+    perm_fill_kernel(const unsigned long long *off, const int64_t *splits, const int64_t *padbeg,
+                     const int64_t *need, const int *flag, int E, int64_t R, int64_t rb, int64_t sb, int e8, int vec,
+                     uint8_t *__restrict__ out, uint8_t *__restrict__ outs, float *__restrict__ out_probs)
 {
-    const int lane = threadIdx.x & 31;
-    const int64_t nw = (int64_t)gridDim.x * (blockDim.x >> 5);
-    /* A warp looks at 32 rows at once and fills the ones no slot took. */
-    for (int64_t r0 = ((int64_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * 32; r0 < R; r0 += nw * 32) {
-        unsigned todo = __ballot_sync(0xFFFFFFFFu, r0 + lane < R && row_map[r0 + lane] < 0);
-        while (todo) {
-            const int64_t r = r0 + __ffs(todo) - 1;
-            todo &= todo - 1;
+    const int tid = threadIdx.x;
+    const bool flagged = *flag != 0;
+    for (int y = blockIdx.y; y <= E; y += gridDim.y) {
+        int64_t a, b;
+        if (y == E) {
+            a = flagged ? 0 : *need;
+            b = R;
+        } else {
+            a = flagged ? 0 : padbeg[y];
+            b = flagged ? 0 : (int64_t)off[y] + splits[y];
+        }
+        for (int64_t r = a + blockIdx.x; r < b; r += gridDim.x) {
             uint8_t *d = out + r * rb;
             if (vec) {
-                for (int64_t i = lane; i < rb / 16; i += 32)
+                for (int64_t i = tid; i < rb / 16; i += blockDim.x)
                     ((uint4 *)d)[i] = make_uint4(0, 0, 0, 0);
             } else {
-                for (int64_t i = lane; i < rb; i += 32)
+                for (int64_t i = tid; i < rb; i += blockDim.x)
                     d[i] = 0;
             }
             if (sb) {
                 uint8_t *sd = outs + r * sb;
                 if (e8) {
-                    for (int64_t i = lane; i < sb; i += 32)
+                    for (int64_t i = tid; i < sb; i += blockDim.x)
                         sd[i] = 127;
                 } else {
-                    for (int64_t i = lane; i < sb / 4; i += 32)
+                    for (int64_t i = tid; i < sb / 4; i += blockDim.x)
                         ((float *)sd)[i] = 1.0f;
                 }
             }
-            if (out_probs && lane == 0)
+            if (out_probs && tid == 0)
                 out_probs[r] = 0.0f;
         }
     }
@@ -277,9 +312,9 @@ extern "C" fm_status fm_cuda_moe_permute(fm_context *ctx, const fm_permute_confi
                      : fm_cdiv(H, fm_mode_block_cols(x->scale_mode)) * (fm_dtype_bits(x->scale_dtype) / 8);
     cudaStream_t s = fm_cuda_stream(ctx);
     const int64_t ch = perm_chunk(E), nchunk = fm_cdiv(n, ch);
-    /* scratch: E counts/offsets, the needed row count, the flag, then the
-     * per-chunk counts / first rows */
-    const size_t head = (size_t)E * 8 + 16;
+    /* scratch: E counts/offsets, the needed row count, the flag, E first
+     * padding rows, then the per-chunk counts / first rows */
+    const size_t head = (size_t)E * 16 + 16;
     size_t bytes = head + (size_t)nchunk * (size_t)E * 4;
     void *scr;
     int owned;
@@ -290,6 +325,7 @@ extern "C" fm_status fm_cuda_moe_permute(fm_context *ctx, const fm_permute_confi
     unsigned long long *cnt = (unsigned long long *)scr;
     int64_t *need = (int64_t *)((uint8_t *)scr + E * 8);
     int *flag = (int *)(need + 1);
+    int64_t *padbeg = (int64_t *)((uint8_t *)scr + E * 8 + 16);
     uint32_t *hist = (uint32_t *)((uint8_t *)scr + head);
     cudaError_t err = cudaMemsetAsync(scr, 0, head, s);
     if (err == cudaSuccess && R > 0)
@@ -306,8 +342,8 @@ extern "C" fm_status fm_cuda_moe_permute(fm_context *ctx, const fm_permute_confi
         if (n > 0)
             perm_hist_kernel<<<cb, 32 * wpb, shm, s>>>((const int32_t *)expert_ids->data, n, (int)E, ch, nchunk,
                                                        hist, cnt, flag);
-        perm_offsets_kernel<<<1, 1024, 0, s>>>(cnt, (int)E, pad, R, (int64_t *)splits->data, flag, need, hist,
-                                               nchunk);
+        perm_offsets_kernel<<<1, 1024, 0, s>>>(cnt, padbeg, (int)E, pad, R, (int64_t *)splits->data, flag, need,
+                                               hist, nchunk);
         if (n > 0) {
             perm_place_kernel<<<cb, 32 * wpb, shm, s>>>((const int32_t *)expert_ids->data, n, (int)E, ch, nchunk,
                                                         hist, flag, (int32_t *)slot_rows->data, (int32_t *)row_map->data);
@@ -320,10 +356,10 @@ extern "C" fm_status fm_cuda_moe_permute(fm_context *ctx, const fm_permute_confi
         }
         if (R > 0) {
             const int vec = rb % 16 == 0 && ((uintptr_t)out->data % 16) == 0;
-            const int64_t nb = fm_cdiv(R, 8 * 32);
-            perm_fill_kernel<<<(unsigned)(nb < 132 * 16 ? nb : 132 * 16), 256, 0, s>>>(
-                (const int32_t *)row_map->data, R, rb, sb, x->scale_dtype == FM_DTYPE_E8M0, vec,
-                (uint8_t *)out->data, (uint8_t *)out->scale, out_probs ? (float *)out_probs->data : NULL);
+            const dim3 grid(64, (unsigned)(E + 1 < 65535 ? E + 1 : 65535));
+            perm_fill_kernel<<<grid, 128, 0, s>>>(cnt, (const int64_t *)splits->data, padbeg, need, flag, (int)E, R,
+                                                  rb, sb, x->scale_dtype == FM_DTYPE_E8M0, vec, (uint8_t *)out->data,
+                                                  (uint8_t *)out->scale, out_probs ? (float *)out_probs->data : NULL);
         }
         err = cudaGetLastError();
     }
