@@ -103,57 +103,88 @@ fm_status fm_cuda_ep_sum(fm_context *ctx, const void *recv, fm_dtype ydt, const 
 
 /* ---- routing ------------------------------------------------------------- */
 
-/* The distinct ranks token row `ids` (k global ids) visits, ascending; -1
- * entries go nowhere. Returns their count. */
-static int token_ranks(const int32_t *ids, int64_t k, int e_local, int *ranks)
+static int lowest_bit(uint64_t v)
 {
-    int m = 0;
-    for (int64_t j = 0; j < k; j++) {
-        if (ids[j] < 0)
-            continue;
-        int r = ids[j] / e_local, i = m;
-        int dup = 0;
-        for (int q = 0; q < m; q++)
-            dup |= ranks[q] == r;
-        if (dup)
-            continue;
-        while (i > 0 && ranks[i - 1] > r) {
-            ranks[i] = ranks[i - 1];
-            i--;
+#if defined(__GNUC__)
+    return __builtin_ctzll(v);
+#else
+    int i = 0;
+    for (; !(v & 1); v >>= 1)
+        i++;
+    return i;
+#endif
+}
+
+/* The ranks every token visits, found once per call (the call walks them
+ * two or three times, and this host work sits between the GPU and the
+ * exchange on a device transport): token t visits the distinct ranks
+ * vis[t kn + i], i < nv[t], ascending (kn = min(k, nranks)); -1 choices go
+ * nowhere. A bit per rank in `bits` sorts and dedups them. */
+typedef struct {
+    int *vis, *nv;
+    int64_t kn;
+    uint64_t *bits; /* [ceil(nranks / 64)], zero between tokens */
+} visits;
+
+static int visits_alloc(visits *v, int64_t T, int64_t k, int n)
+{
+    v->kn = k < n ? k : n;
+    v->vis = malloc((size_t)(T * v->kn + T + 1) * sizeof *v->vis);
+    v->nv = v->vis ? v->vis + T * v->kn : NULL;
+    v->bits = calloc((size_t)(n + 63) / 64, sizeof *v->bits);
+    return v->vis && v->bits;
+}
+
+static void visits_free(visits *v)
+{
+    free(v->vis);
+    free(v->bits);
+}
+
+static void find_visits(const int32_t *ids, int64_t T, int64_t k, int e_local, int n, const visits *v)
+{
+    int nw = (n + 63) / 64;
+    for (int64_t t = 0; t < T; t++) {
+        const int32_t *row = ids + t * k;
+        int *out = v->vis + t * v->kn, m = 0;
+        for (int64_t j = 0; j < k; j++)
+            if (row[j] >= 0) {
+                int p = row[j] / e_local;
+                v->bits[p / 64] |= 1ull << (p % 64);
+            }
+        for (int w = 0; w < nw; w++) {
+            for (uint64_t b = v->bits[w]; b; b &= b - 1)
+                out[m++] = w * 64 + lowest_bit(b);
+            v->bits[w] = 0;
         }
-        ranks[i] = r;
-        m++;
+        v->nv[t] = m;
     }
-    return m;
 }
 
 /* Rows this rank sends to each peer: counts[p] tokens visit p. */
-static void count_rows(const int32_t *ids, int64_t T, int64_t k, int e_local, int *scratch, int64_t *counts, int n)
+static void count_rows(const visits *v, int64_t T, int64_t *counts, int n)
 {
     for (int p = 0; p < n; p++)
         counts[p] = 0;
-    for (int64_t t = 0; t < T; t++) {
-        int m = token_ranks(ids + t * k, k, e_local, scratch);
-        for (int i = 0; i < m; i++)
-            counts[scratch[i]]++;
-    }
+    for (int64_t t = 0; t < T; t++)
+        for (int i = 0; i < v->nv[t]; i++)
+            counts[v->vis[t * v->kn + i]]++;
 }
 
 /* The send plan: rows grouped by destination (soff [n + 1]), tokens
  * ascending inside each; send row r is token tok[r] bound for rank dst[r].
  * cur [n] is scratch. */
-static void plan_rows(const int32_t *ids, int64_t T, int64_t k, int e_local, int *tr, const int64_t *soff,
-                      int64_t *cur, int n, int32_t *tok, int32_t *dst)
+static void plan_rows(const visits *v, int64_t T, const int64_t *soff, int64_t *cur, int n, int32_t *tok,
+                      int32_t *dst)
 {
     memcpy(cur, soff, (size_t)n * sizeof *cur);
-    for (int64_t t = 0; t < T; t++) {
-        int m = token_ranks(ids + t * k, k, e_local, tr);
-        for (int i = 0; i < m; i++) {
-            int64_t r = cur[tr[i]]++;
+    for (int64_t t = 0; t < T; t++)
+        for (int i = 0; i < v->nv[t]; i++) {
+            int p = v->vis[t * v->kn + i];
+            int64_t r = cur[p]++;
             tok[r] = (int32_t)t;
-            dst[r] = tr[i];
+            dst[r] = p;
         }
-    }
 }
 
 /* Offsets into staged memory: regions start 256 bytes apart at least, so
@@ -542,13 +573,14 @@ fm_status fm_ep_dispatch(fm_context *ctx, fm_comm *comm, const fm_ep_config *cfg
     int64_t *cnt = calloc((size_t)(4 * n + 2), sizeof(int64_t));
     ep_header *hdr = malloc((size_t)n * sizeof *hdr);
     int64_t T = 0, k = 1, H = 0;
-    int *tr = NULL;
+    visits v = {NULL, NULL, 1, NULL};
+    int have_v = 1;
     if (!local) {
         T = x->shape[0], k = expert_ids->shape[1], H = x->shape[1];
-        tr = malloc((size_t)k * sizeof *tr);
+        have_v = visits_alloc(&v, T, k, n);
     }
-    if (!cnt || !hdr || (!local && !tr)) {
-        free(cnt), free(hdr), free(tr);
+    if (!cnt || !hdr || !have_v) {
+        free(cnt), free(hdr), visits_free(&v);
         comm->ops->fail(comm);
         return fm_error(ctx, FM_ERR_OUT_OF_MEMORY, "fm_ep_dispatch: out of host memory for %d ranks' counts; the "
                         "group is aborted", n);
@@ -559,20 +591,21 @@ fm_status fm_ep_dispatch(fm_context *ctx, fm_comm *comm, const fm_ep_config *cfg
     uint8_t *hplan = NULL;
     fm_status st = FM_OK;
     if (!local)
-        st = routing_on_host(ctx, comm, cfg, expert_ids, plan_bytes(n, T * (k < n ? k : n)), &ids, &hplan, &local);
+        st = routing_on_host(ctx, comm, cfg, expert_ids, plan_bytes(n, T * v.kn), &ids, &hplan, &local);
     if (st) {
-        free(cnt), free(hdr), free(tr);
+        free(cnt), free(hdr), visits_free(&v);
         return st;
     }
     ep_header mine = {EP_DISPATCH, local == FM_OK, 0, 0, 0, 0, 0, 0, 0, 0};
     if (!local) {
-        count_rows(ids, T, k, cfg->experts_per_rank, tr, scnt, n);
+        find_visits(ids, T, k, cfg->experts_per_rank, n, &v);
+        count_rows(&v, T, scnt, n);
         mine = (ep_header){EP_DISPATCH, 1, (int32_t)x->dtype, (int32_t)x->scale_mode, (int32_t)k,
                            cfg->experts_per_rank, probs != NULL, 0, H, 0};
     }
     st = exchange_headers(ctx, comm, mine, scnt, hdr, &local);
     if (st) {
-        free(cnt), free(hdr), free(tr);
+        free(cnt), free(hdr), visits_free(&v);
         return st;
     }
 
@@ -606,7 +639,7 @@ fm_status fm_ep_dispatch(fm_context *ctx, fm_comm *comm, const fm_ep_config *cfg
     }
     st = agree(ctx, comm, EP_DISPATCH, local);
     if (st) {
-        free(cnt), free(hdr), free(tr), free(pk);
+        free(cnt), free(hdr), visits_free(&v), free(pk);
         return st;
     }
 
@@ -614,14 +647,14 @@ fm_status fm_ep_dispatch(fm_context *ctx, fm_comm *comm, const fm_ep_config *cfg
     if (dev) {
         memcpy(hplan, roff, (size_t)(n + 1) * sizeof *roff);
         int32_t *tok = (int32_t *)(hplan + stage_al(8 * (n + 1)));
-        plan_rows(ids, T, k, cfg->experts_per_rank, tr, soff, cur, n, tok, tok + stage_al(4 * sent) / 4);
+        plan_rows(&v, T, soff, cur, n, tok, tok + stage_al(4 * sent) / 4);
         st = dispatch_device(ctx, comm, cfg, x, expert_ids, probs, out, soff, roff, hplan, stage, &l, rb, sb);
     } else {
         int32_t *tok = (int32_t *)pk, *dst = tok + sent;
         host_pack h;
         h.pd = pk + sent * 8, h.ps = h.pd + sent * rb, h.pt = h.ps + sent * sb, h.pi = h.pt + sent * 4;
         h.pp = h.pi + sent * 4 * k;
-        plan_rows(ids, T, k, cfg->experts_per_rank, tr, soff, cur, n, tok, dst);
+        plan_rows(&v, T, soff, cur, n, tok, dst);
         pack_host(x, ids, probs ? probs->data : NULL, k, cfg->experts_per_rank, rb, sb, tok, dst, sent, &h);
         fm_comm_seg segs[5];
         int ns = 0;
@@ -638,7 +671,7 @@ fm_status fm_ep_dispatch(fm_context *ctx, fm_comm *comm, const fm_ep_config *cfg
                 for (int64_t r = roff[p]; r < roff[p + 1]; r++)
                     ((int32_t *)out->src_rank->data)[r] = p;
     }
-    free(pk), free(tr);
+    free(pk), visits_free(&v);
     if (st) {
         free(cnt), free(hdr);
         return st;
@@ -661,9 +694,9 @@ fm_status fm_ep_dispatch(fm_context *ctx, fm_comm *comm, const fm_ep_config *cfg
 /* The device path after the verdict: for each token the rows that come back
  * for it (CSR: toff [T + 1], then the rows, ascending rank) to the device,
  * the exchange of y into the staging, the sum into out. */
-static fm_status combine_device(fm_context *ctx, fm_comm *comm, const fm_ep_config *cfg, const int32_t *ids,
-                                const fm_tensor *y, fm_tensor *out, int64_t k, int *tr, const int64_t *yoff,
-                                const int64_t *woff, int64_t *cur, uint8_t *hplan, uint8_t *stage, size_t recv_bytes)
+static fm_status combine_device(fm_context *ctx, fm_comm *comm, const visits *v, const fm_tensor *y, fm_tensor *out,
+                                const int64_t *yoff, const int64_t *woff, int64_t *cur, uint8_t *hplan, uint8_t *stage,
+                                size_t recv_bytes)
 {
     int n = comm->size;
     int64_t T = out->shape[0], C = y->shape[1];
@@ -671,10 +704,9 @@ static fm_status combine_device(fm_context *ctx, fm_comm *comm, const fm_ep_conf
     memcpy(cur, woff, (size_t)n * sizeof *cur);
     int32_t at = 0;
     for (int64_t t = 0; t < T; t++) {
-        int m = token_ranks(ids + t * k, k, cfg->experts_per_rank, tr);
         toff[t] = at;
-        for (int i = 0; i < m; i++)
-            rows[at++] = (int32_t)cur[tr[i]]++;
+        for (int i = 0; i < v->nv[t]; i++)
+            rows[at++] = (int32_t)cur[v->vis[t * v->kn + i]]++;
     }
     toff[T] = at;
     uint8_t *recv = stage, *dcsr = stage + recv_bytes;
@@ -705,13 +737,14 @@ fm_status fm_ep_combine(fm_context *ctx, fm_comm *comm, const fm_ep_config *cfg,
     int64_t *cnt = calloc((size_t)(4 * n + 2), sizeof(int64_t));
     ep_header *hdr = malloc((size_t)n * sizeof *hdr);
     int64_t T = 0, k = 1, C = 0;
-    int *tr = NULL;
+    visits v = {NULL, NULL, 1, NULL};
+    int have_v = 1;
     if (!local) {
         T = out->shape[0], k = expert_ids->shape[1], C = y->shape[1];
-        tr = malloc((size_t)k * sizeof *tr);
+        have_v = visits_alloc(&v, T, k, n);
     }
-    if (!cnt || !hdr || (!local && !tr)) {
-        free(cnt), free(hdr), free(tr);
+    if (!cnt || !hdr || !have_v) {
+        free(cnt), free(hdr), visits_free(&v);
         comm->ops->fail(comm);
         return fm_error(ctx, FM_ERR_OUT_OF_MEMORY, "fm_ep_combine: out of host memory for %d ranks' counts; the "
                         "group is aborted", n);
@@ -721,23 +754,23 @@ fm_status fm_ep_combine(fm_context *ctx, fm_comm *comm, const fm_ep_config *cfg,
     int64_t *want = cnt, *woff = cnt + n, *yoff = cnt + 2 * n + 1, *cur = cnt + 3 * n + 2;
     const int32_t *ids = NULL;
     uint8_t *hplan = NULL;
-    int64_t kn = k < n ? k : n;
     fm_status st = FM_OK;
     if (!local)
-        st = routing_on_host(ctx, comm, cfg, expert_ids, stage_al(4 * (T + 1)) + stage_al(4 * T * kn), &ids, &hplan,
+        st = routing_on_host(ctx, comm, cfg, expert_ids, stage_al(4 * (T + 1)) + stage_al(4 * T * v.kn), &ids, &hplan,
                              &local);
     if (st) {
-        free(cnt), free(hdr), free(tr);
+        free(cnt), free(hdr), visits_free(&v);
         return st;
     }
     ep_header mine = {EP_COMBINE, local == FM_OK, 0, 0, 0, 0, 0, 0, 0, 0};
     if (!local) {
-        count_rows(ids, T, k, cfg->experts_per_rank, tr, want, n);
+        find_visits(ids, T, k, cfg->experts_per_rank, n, &v);
+        count_rows(&v, T, want, n);
         mine = (ep_header){EP_COMBINE, 1, (int32_t)y->dtype, 0, (int32_t)k, cfg->experts_per_rank, 0, 0, C, 0};
     }
     st = exchange_headers(ctx, comm, mine, want, hdr, &local);
     if (st) {
-        free(cnt), free(hdr), free(tr);
+        free(cnt), free(hdr), visits_free(&v);
         return st;
     }
     int64_t esz = 0, back = 0;
@@ -774,22 +807,21 @@ fm_status fm_ep_combine(fm_context *ctx, fm_comm *comm, const fm_ep_config *cfg,
     }
     st = agree(ctx, comm, EP_COMBINE, local);
     if (st) {
-        free(cnt), free(hdr), free(tr), free(rcv), free(acc);
+        free(cnt), free(hdr), visits_free(&v), free(rcv), free(acc);
         return st;
     }
     if (dev) {
-        st = combine_device(ctx, comm, cfg, ids, y, out, k, tr, yoff, woff, cur, hplan, stage, recv_bytes);
+        st = combine_device(ctx, comm, &v, y, out, yoff, woff, cur, hplan, stage, recv_bytes);
     } else {
         fm_comm_seg seg = {y->data, rcv, C * esz};
         st = comm->ops->alltoallv(comm, ctx, 1, &seg, yoff, woff);
         /* out[t] = the visited ranks' rows in ascending rank order, F32 adds. */
         float *row = acc + C;
         for (int64_t t = 0; t < T && !st; t++) {
-            int m = token_ranks(ids + t * k, k, cfg->experts_per_rank, tr);
             for (int64_t h = 0; h < C; h++)
                 acc[h] = 0.0f;
-            for (int i = 0; i < m; i++) {
-                int64_t r = woff[tr[i]]++;
+            for (int i = 0; i < v.nv[t]; i++) {
+                int64_t r = woff[v.vis[t * v.kn + i]]++;
                 fm_cpu_load_row(rcv, y->dtype, r * C, C, row);
                 for (int64_t h = 0; h < C; h++)
                     acc[h] = i == 0 ? row[h] : acc[h] + row[h];
@@ -798,7 +830,7 @@ fm_status fm_ep_combine(fm_context *ctx, fm_comm *comm, const fm_ep_config *cfg,
                 fm_cpu_store_f32(out->data, out->dtype, t * C + h, acc[h]);
         }
     }
-    free(cnt), free(hdr), free(tr), free(rcv), free(acc);
+    free(cnt), free(hdr), visits_free(&v), free(rcv), free(acc);
     if (st)
         return st;
     count_op(ctx, FM_OP_EP_COMBINE, fm_tensor_nbytes(y) + fm_tensor_nbytes(expert_ids) + back * C * esz,
