@@ -276,7 +276,8 @@ static fm_status nccl_alltoallv(fm_comm *base, fm_context *ctx, int nseg, const 
         for (int p = 0; p < n && r == ncclSuccess; p++)
             for (int q = 0; q < nseg && r == ncclSuccess; q++) {
                 size_t rb = (size_t)segs[q].row_bytes;
-                size_t sn = (size_t)(send_off[p + 1] - send_off[p]) * rb, rn = (size_t)(recv_off[p + 1] - recv_off[p]) * rb;
+                size_t sn = (size_t)(send_off[p + 1] - send_off[p]) * rb;
+                size_t rn = (size_t)(recv_off[p + 1] - recv_off[p]) * rb;
                 if (sn) {
                     call = "ncclSend";
                     r = ncclSend((const uint8_t *)segs[q].send + (size_t)send_off[p] * rb, sn, ncclUint8, p, c->nc, s);

@@ -1034,7 +1034,8 @@ static ncclResult_t ep_raw(ep_rank *e, const void *send, void *recv, const int64
     ncclResult_t r = ncclGroupStart();
     for (int p = 0; p < e->w->n && r == ncclSuccess; p++) {
         if (cnt_s[p])
-            r = ncclSend((const char *)send + so * row_bytes, (size_t)(cnt_s[p] * row_bytes), ncclUint8, p, e->nc, e->s);
+            r = ncclSend((const char *)send + so * row_bytes, (size_t)(cnt_s[p] * row_bytes), ncclUint8, p, e->nc,
+                         e->s);
         if (r == ncclSuccess && cnt_r[p])
             r = ncclRecv((char *)recv + ro * row_bytes, (size_t)(cnt_r[p] * row_bytes), ncclUint8, p, e->nc, e->s);
         so += cnt_s[p], ro += cnt_r[p];
@@ -1353,8 +1354,8 @@ static void print_ep(int json, const ep_result *er, int ner, int n, int64_t T)
     }
     if (!ner)
         return;
-    printf("\n| EP over NCCL (%d ranks, %lld tokens per rank, H 7168, k 8, 8 experts per rank) | MB sent (rank 0) | ms | "
-           "speedup vs BF16 dispatch | raw NCCL ms, same bytes | of raw NCCL bandwidth |\n"
+    printf("\n| EP over NCCL (%d ranks, %lld tokens per rank, H 7168, k 8, 8 experts per rank) | MB sent (rank 0) "
+           "| ms | speedup vs BF16 dispatch | raw NCCL ms, same bytes | of raw NCCL bandwidth |\n"
            "|---|---:|---:|---:|---:|---:|\n",
            n, (long long)T);
     for (int i = 0; i < ner; i++) {
