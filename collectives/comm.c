@@ -542,6 +542,7 @@ static fm_status dispatch_device(fm_context *ctx, fm_comm *comm, const fm_ep_con
         st = fm_cuda_ep_pack(ctx, &a);
     if (st) {
         comm->ops->fail(comm);
+        comm->ops->done(comm, ctx);
         return st;
     }
     fm_comm_seg segs[5];
@@ -715,6 +716,7 @@ static fm_status combine_device(fm_context *ctx, fm_comm *comm, const visits *v,
                                    "fm_ep_combine: the plan to the device");
     if (st) {
         comm->ops->fail(comm);
+        comm->ops->done(comm, ctx);
         return st;
     }
     fm_comm_seg seg = {y->data, recv, C * (fm_dtype_bits(y->dtype) / 8)};
