@@ -161,7 +161,7 @@ static void *rank_main(void *arg)
         fm_tensor rp = mat(io->b.op, FM_DTYPE_F32, o.rows, k, d), pb = mat(io->b.pback, FM_DTYPE_F32, T, k, d);
         record(io, 2, fm_ep_combine(io->ctx, io->comm, &cfg, &ids, &rp, &pb));
     }
-    if (d && !io->st[1] && !io->st[2])
+    if (d)
         fm_context_synchronize(io->ctx);
     return NULL;
 }
@@ -259,6 +259,8 @@ static void make_device(rank_io *g, const rank_io *h, const scase *c, const size
         GT_CUDA(cudaMalloc(o[i], n[i] + 16));
         GT_CUDA(cudaMemset(*o[i], 0xCD, n[i] + 16));
     }
+    /* the ranks' streams do not wait for the legacy stream's memsets */
+    GT_CUDA(cudaDeviceSynchronize());
 }
 
 static void free_bufs(bufs *b, int dev)
@@ -398,6 +400,8 @@ static void *fault_main(void *arg)
     }
     io->rows = o.rows;
     snprintf(io->err, sizeof io->err, "%s", ctx ? fm_last_error(ctx) : "");
+    if (ctx)
+        fm_context_synchronize(ctx);
     return NULL;
 }
 
@@ -446,6 +450,7 @@ static void run_faults(world *w)
                     hid[3] = n * FEL;
                 GT_CUDA(cudaMemcpy(io[r].ids, hid, sizeof hid, cudaMemcpyHostToDevice));
                 GT_CUDA(cudaMemset(io[r].ox, 0xCD, (size_t)(n * FT * FH) * 4));
+                GT_CUDA(cudaDeviceSynchronize());
                 io[r].w = w, io[r].r = r, io[r].bad = bad, io[r].f = ff, io[r].other = spare[(bad + 1) % n];
                 io[r].st = FM_OK, io[r].rows = -7, io[r].err[0] = 0;
             }
@@ -523,6 +528,7 @@ static void check_abort(world *w)
         GT_CUDA(cudaMalloc(&ids, 4));
         GT_CUDA(cudaMalloc(&ox, 64 * 4 * 8));
         GT_CUDA(cudaMemset(ids, 0, 4));
+        GT_CUDA(cudaDeviceSynchronize());
         fm_ep_config cfg = {1};
         fm_tensor tx = mat(x, FM_DTYPE_F32, 1, 64, 1), ti = mat(ids, FM_DTYPE_I32, 1, 1, 1);
         fm_tensor to = mat(ox, FM_DTYPE_F32, 8, 64, 1);
