@@ -159,8 +159,13 @@ static const fm_comm_ops inproc_ops = {
     /* .alltoall  = */ inproc_alltoall,
     /* .agree     = */ inproc_agree,
     /* .alltoallv = */ inproc_alltoallv,
+    /* .fail      = */ inproc_abort,
     /* .abort     = */ inproc_abort,
     /* .destroy   = */ inproc_destroy,
+    /* .check_ctx = */ NULL,
+    /* .stage     = */ NULL,
+    /* .sync      = */ NULL,
+    /* .done      = */ NULL,
 };
 
 fm_status fm_comm_create_inproc(int nranks, fm_comm **ranks_out)

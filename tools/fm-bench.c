@@ -19,7 +19,17 @@
  * recipe, in ms per step and relative to bf16 (--no-layer skips it: it
  * allocates several GB).
  *
- *   fm-bench [--json] [--reps N] [--filter SUBSTRING] [--no-layer]
+ * With 2 GPUs or more and NCCL: expert-parallel dispatch and combine over
+ * NCCL, one thread and rank per GPU (issue 9's shape: 16384 tokens per rank,
+ * H 7168, k 8, 8 experts per rank, random routing): dispatch in BF16, FP8
+ * E4M3 1x128 and MXFP4, MXFP4 including the FP8 -> MXFP4 conversion before
+ * and MXFP4 -> FP8 after, combine in BF16, each next to NCCL alone moving
+ * the same rows (grouped ncclSend/ncclRecv) in the same run; ms are rank
+ * 0's, CUDA events after all GPUs idle and a host barrier, the median of
+ * half of --reps. --no-ep skips it, --ep-only runs only it (exit 77 when it
+ * cannot run).
+ *
+ *   fm-bench [--json] [--reps N] [--filter SUBSTRING] [--no-layer] [--no-ep] [--ep-only]
  * Markdown table on stdout; --json prints JSON instead. Exit 77 without GPU.
  */
 #include <inttypes.h>
@@ -935,9 +945,433 @@ static int bench_layer(fm_context *ctx, cudaStream_t s, const char *filter, lres
     return n;
 }
 
+/* ---- expert parallelism over NCCL ------------------------------------------ */
+
+/* Issue 9's shape: per rank 16384 tokens (halved while the buffers would not
+ * fit), H 7168, k 8, 8 experts per rank, each token's k experts distinct and
+ * uniformly random. One thread per GPU, one rank each. */
+typedef struct ep_result {
+    const char *name;
+    double mb, ms, speedup, raw_ms, frac; /* MB of rows rank 0 sends; speedup: BF16 dispatch / this; frac: raw / this */
+    int ok;
+} ep_result;
+enum { EP_NRES = 5 };
+
+#ifdef FM_HAVE_NCCL
+#include <nccl.h>
+#include <pthread.h>
+
+#define EP_H 7168
+#define EP_K 8
+#define EP_EL 8
+#define EP_MAXR 8
+
+/* The timed calls: the library's, then NCCL alone moving the same bytes
+ * (the rows' codes and scales, per peer) between buffers of the same sizes. */
+enum { EPX_BF16, EPX_FP8, EPX_FP4, EPX_FP4_CONV, EPX_COMBINE, EPX_RAW_BF16, EPX_RAW_FP8, EPX_RAW_FP4, EPX_RAW_BACK,
+       EPX_COUNT };
+static const char *const ep_names[EP_NRES] = {
+    "ep_dispatch BF16", "ep_dispatch FP8 E4M3 1x128", "ep_dispatch MXFP4 (E2M1 MX32)",
+    "ep_dispatch MXFP4 incl. FP8->MXFP4 before, MXFP4->FP8 after", "ep_combine BF16"};
+static const int ep_raw_of[EP_NRES] = {EPX_RAW_BF16, EPX_RAW_FP8, EPX_RAW_FP4, EPX_RAW_FP4, EPX_RAW_BACK};
+/* bytes per row on the wire: BF16; E4M3 + F32 per 128; E2M1 + E8M0 per 32 */
+static const int64_t ep_row_bytes[3] = {EP_H * 2, EP_H + EP_H / 128 * 4, EP_H / 2 + EP_H / 32};
+
+typedef struct ep_world ep_world;
+
+typedef struct ep_rank {
+    ep_world *w;
+    int r;
+    fm_context *ctx;
+    cudaStream_t s;
+    ncclComm_t nc;
+    fm_comm *comm;
+    fm_tensor ids, probs, xb, x8, x4, ob, o8, o4, o8b, oids, op, out;
+    void *raw_send, *raw_recv;
+    int64_t R, sent, scnt[EP_MAXR], rcnt[EP_MAXR];
+    float ms[EPX_COUNT]; /* rank 0's medians */
+    int failed;
+} ep_rank;
+
+struct ep_world {
+    int n, reps;
+    int64_t T;
+    unsigned mask; /* the calls to time */
+    pthread_barrier_t bar;
+    ep_rank rk[EP_MAXR];
+};
+
+static fm_tensor ep_mat(int64_t rows, int64_t cols, fm_dtype t)
+{
+    fm_tensor x = fm_tensor_2d(NULL, t, rows, cols);
+    x.device = FM_DEVICE_CUDA;
+    x.data = dalloc(fm_tensor_nbytes(&x));
+    return x;
+}
+
+static fm_tensor ep_quant(int64_t rows, fm_dtype t, fm_scale_mode m)
+{
+    fm_tensor x = fm_tensor_quant_2d(NULL, t, rows, EP_H, FM_LAYOUT_ROWWISE, m, NULL, FM_SCALE_LAYOUT_COMPACT);
+    x.device = FM_DEVICE_CUDA;
+    x.data = dalloc(fm_tensor_nbytes(&x));
+    x.scale = dalloc(fm_tensor_scale_nbytes(&x));
+    return x;
+}
+
+/* The first `rows` rows of t. */
+static fm_tensor ep_head(const fm_tensor *t, int64_t rows)
+{
+    fm_tensor v = *t;
+    v.shape[0] = rows;
+    return v;
+}
+
+/* Grouped ncclSend/ncclRecv: cnt_s[p] rows of row_bytes to p, cnt_r[p] from p. */
+static ncclResult_t ep_raw(ep_rank *e, const void *send, void *recv, const int64_t *cnt_s, const int64_t *cnt_r,
+                           int64_t row_bytes)
+{
+    int64_t so = 0, ro = 0;
+    ncclResult_t r = ncclGroupStart();
+    for (int p = 0; p < e->w->n && r == ncclSuccess; p++) {
+        if (cnt_s[p])
+            r = ncclSend((const char *)send + so * row_bytes, (size_t)(cnt_s[p] * row_bytes), ncclUint8, p, e->nc,
+                         e->s);
+        if (r == ncclSuccess && cnt_r[p])
+            r = ncclRecv((char *)recv + ro * row_bytes, (size_t)(cnt_r[p] * row_bytes), ncclUint8, p, e->nc, e->s);
+        so += cnt_s[p], ro += cnt_r[p];
+    }
+    ncclResult_t r2 = ncclGroupEnd();
+    return r != ncclSuccess ? r : r2;
+}
+
+static void ep_call(ep_rank *e, int op)
+{
+    fm_ep_config cfg = {EP_EL};
+    fm_requant_config rq = {0};
+    fm_ep_dispatch_out o = {NULL, &e->oids, &e->op, NULL, NULL, NULL, 0};
+    fm_status st = FM_OK;
+    ncclResult_t nr = ncclSuccess;
+    fm_tensor y = ep_head(&e->ob, e->R), o4 = ep_head(&e->o4, e->R), o8 = ep_head(&e->o8b, e->R);
+    switch (op) {
+    case EPX_BF16:
+        o.x = &e->ob;
+        st = fm_ep_dispatch(e->ctx, e->comm, &cfg, &e->xb, &e->ids, &e->probs, &o);
+        break;
+    case EPX_FP8:
+        o.x = &e->o8;
+        st = fm_ep_dispatch(e->ctx, e->comm, &cfg, &e->x8, &e->ids, &e->probs, &o);
+        break;
+    case EPX_FP4:
+    case EPX_FP4_CONV:
+        o.x = &e->o4;
+        if (op == EPX_FP4_CONV)
+            st = fm_convert_scaled(e->ctx, &rq, &e->x8, &e->x4);
+        if (!st)
+            st = fm_ep_dispatch(e->ctx, e->comm, &cfg, &e->x4, &e->ids, &e->probs, &o);
+        if (!st && op == EPX_FP4_CONV)
+            st = fm_convert_scaled(e->ctx, &rq, &o4, &o8);
+        break;
+    case EPX_COMBINE:
+        st = fm_ep_combine(e->ctx, e->comm, &cfg, &e->ids, &y, &e->out);
+        break;
+    case EPX_RAW_BF16:
+    case EPX_RAW_FP8:
+    case EPX_RAW_FP4:
+        nr = ep_raw(e, e->raw_send, e->raw_recv, e->scnt, e->rcnt, ep_row_bytes[op - EPX_RAW_BF16]);
+        break;
+    default:
+        nr = ep_raw(e, y.data, e->raw_recv, e->rcnt, e->scnt, ep_row_bytes[0]);
+        break;
+    }
+    if ((st || nr) && !e->failed) {
+        fprintf(stderr, "fm-bench: EP rank %d, call %d: %s\n", e->r, op,
+                st ? fm_last_error(e->ctx) : ncclGetErrorString(nr));
+        e->failed = 1;
+    }
+}
+
+/* Each timed call: every GPU idle, a host barrier, then rank 0 times its
+ * stream with events around its own call (the others make theirs). */
+static void *ep_thread(void *arg)
+{
+    ep_rank *e = arg;
+    ep_world *w = e->w;
+    CK(cudaSetDevice(e->r));
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    float *t = malloc(sizeof(float) * (size_t)w->reps);
+    for (int op = 0; op < EPX_COUNT; op++) {
+        if (!((w->mask >> op) & 1))
+            continue;
+        for (int i = -warm; i < w->reps; i++) {
+            CK(cudaDeviceSynchronize());
+            pthread_barrier_wait(&w->bar);
+            if (e->r == 0)
+                CK(cudaEventRecord(a, e->s));
+            ep_call(e, op);
+            if (e->r == 0) {
+                CK(cudaEventRecord(b, e->s));
+                CK(cudaEventSynchronize(b));
+                if (i >= 0)
+                    CK(cudaEventElapsedTime(&t[i], a, b));
+            }
+        }
+        if (e->r == 0) {
+            qsort(t, (size_t)w->reps, sizeof(float), cmpf);
+            e->ms[op] = t[w->reps / 2];
+        }
+    }
+    CK(cudaDeviceSynchronize());
+    free(t);
+    cudaEventDestroy(a);
+    cudaEventDestroy(b);
+    /* every rank's thread at once: destroying NCCL communicators one after
+     * the other from one thread can wait on the ranks not yet destroyed */
+    fm_comm_destroy(e->comm);
+    ncclCommDestroy(e->nc);
+    return NULL;
+}
+
+/* Random distinct top-k routing for every rank, and the rows each rank
+ * sends every other. */
+static void ep_route(ep_world *w, int32_t **ids, float **probs)
+{
+    int n = w->n, E = n * EP_EL;
+    for (int r = 0; r < n; r++) {
+        ep_rank *e = &w->rk[r];
+        memset(e->scnt, 0, sizeof e->scnt);
+        memset(e->rcnt, 0, sizeof e->rcnt);
+    }
+    int perm[EP_MAXR * EP_EL];
+    for (int r = 0; r < n; r++) {
+        ep_rank *e = &w->rk[r];
+        for (int64_t t = 0; t < w->T; t++) {
+            for (int i = 0; i < E; i++)
+                perm[i] = i;
+            unsigned visited = 0;
+            for (int j = 0; j < EP_K; j++) {
+                int pick = j + (int)(rnd() % (uint64_t)(E - j));
+                int g = perm[pick];
+                perm[pick] = perm[j], perm[j] = g;
+                ids[r][t * EP_K + j] = g;
+                probs[r][t * EP_K + j] = (float)((rnd() >> 40) * 0x1p-24);
+                visited |= 1u << (g / EP_EL);
+            }
+            for (int p = 0; p < n; p++)
+                e->scnt[p] += (visited >> p) & 1;
+        }
+    }
+    for (int r = 0; r < n; r++) {
+        ep_rank *e = &w->rk[r];
+        e->R = e->sent = 0;
+        for (int p = 0; p < n; p++) {
+            e->rcnt[p] = w->rk[p].scnt[r];
+            e->R += e->rcnt[p];
+            e->sent += e->scnt[p];
+        }
+    }
+}
+
+static int ep_section_wanted(const char *filter)
+{
+    for (int i = 0; i < EP_NRES; i++)
+        if (!filter || strstr(ep_names[i], filter))
+            return 1;
+    return 0;
+}
+
+static int bench_ep(const char *filter, ep_result *out, int *nranks, int64_t *tokens)
+{
+    if (!ep_section_wanted(filter))
+        return 0;
+    int nd = 0;
+    CK(cudaGetDeviceCount(&nd));
+    if (nd < 2) {
+        fprintf(stderr, "fm-bench: EP section skipped: needs 2 GPUs, found %d\n", nd);
+        return 0;
+    }
+    static ep_world w;
+    memset(&w, 0, sizeof w);
+    w.n = nd < EP_MAXR ? nd : EP_MAXR;
+    w.reps = reps / 2 > 3 ? reps / 2 : 3;
+    for (int i = 0; i < EP_NRES; i++)
+        if (!filter || strstr(ep_names[i], filter))
+            w.mask |= (1u << i) | (1u << ep_raw_of[i]); /* result i is call i */
+    int n = w.n;
+    int32_t *ids[EP_MAXR];
+    float *probs[EP_MAXR];
+    /* per rank: inputs (BF16, FP8, MXFP4), outputs of every format for up to
+     * cap rows, the BF16 combine, the raw buffers, the communicator's staging */
+    for (w.T = 16384;; w.T /= 2) {
+        for (int r = 0; r < n; r++) {
+            ids[r] = malloc((size_t)w.T * EP_K * 4);
+            probs[r] = malloc((size_t)w.T * EP_K * 4);
+        }
+        ep_route(&w, ids, probs);
+        int fits = 1;
+        for (int r = 0; r < n; r++) {
+            size_t fr = 0, tot = 0;
+            CK(cudaSetDevice(r));
+            CK(cudaMemGetInfo(&fr, &tot));
+            double row_in = 2.0 * EP_H + (double)ep_row_bytes[1] + ep_row_bytes[2];
+            double row_out = row_in + ep_row_bytes[1];
+            double need = (double)w.T * (row_in + 2.0 * EP_H) + (double)w.rk[r].R * row_out +
+                          (double)w.rk[r].sent * 3 * ep_row_bytes[0] + (double)w.rk[r].R * 2 * ep_row_bytes[0];
+            fits &= need < 0.8 * (double)fr;
+        }
+        if (fits || w.T <= 256)
+            break;
+        for (int r = 0; r < n; r++)
+            free(ids[r]), free(probs[r]);
+    }
+    *nranks = n;
+    *tokens = w.T;
+    int devs[EP_MAXR];
+    ncclComm_t ncs[EP_MAXR];
+    for (int r = 0; r < n; r++)
+        devs[r] = r;
+    ncclResult_t nr = ncclCommInitAll(ncs, n, devs);
+    if (nr != ncclSuccess) {
+        fprintf(stderr, "fm-bench: EP section skipped: ncclCommInitAll over %d GPUs: %s\n", n, ncclGetErrorString(nr));
+        for (int r = 0; r < n; r++)
+            free(ids[r]), free(probs[r]);
+        return 0;
+    }
+    int ok = 1;
+    for (int r = 0; r < n; r++) {
+        ep_rank *e = &w.rk[r];
+        e->w = &w, e->r = r, e->nc = ncs[r];
+        CK(cudaSetDevice(r));
+        fm_context_config cc = {.backend = FM_BACKEND_CUDA, .device = r};
+        if (fm_context_create(&cc, &e->ctx) != FM_OK) {
+            fprintf(stderr, "fm-bench: EP: context on device %d: %s\n", r, fm_last_error(NULL));
+            exit(1);
+        }
+        CK(cudaStreamCreateWithFlags(&e->s, cudaStreamNonBlocking));
+        fm_context_set_stream(e->ctx, e->s);
+        if (fm_comm_create_nccl(e->ctx, ncs[r], &e->comm) != FM_OK) {
+            fprintf(stderr, "fm-bench: EP: fm_comm_create_nccl on rank %d: %s\n", r, fm_last_error(e->ctx));
+            exit(1);
+        }
+        int64_t T = w.T, cap = e->R > 0 ? e->R : 1, rows = e->sent > cap ? e->sent : cap;
+        e->ids = ep_mat(T, EP_K, FM_DTYPE_I32);
+        e->probs = ep_mat(T, EP_K, FM_DTYPE_F32);
+        CK(cudaMemcpy(e->ids.data, ids[r], (size_t)T * EP_K * 4, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(e->probs.data, probs[r], (size_t)T * EP_K * 4, cudaMemcpyHostToDevice));
+        e->xb = ep_mat(T, EP_H, FM_DTYPE_BF16);
+        fill_device(e->xb.data, FM_DTYPE_BF16, (size_t)(T * EP_H));
+        e->x8 = ep_quant(T, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128);
+        e->x4 = ep_quant(T, FM_DTYPE_E2M1, FM_SCALE_MX32);
+        fm_quant_config q = {0};
+        fm_requant_config rq = {0};
+        if (fm_quantize(e->ctx, &q, &e->xb, &e->x8, NULL) != FM_OK ||
+            fm_convert_scaled(e->ctx, &rq, &e->x8, &e->x4) != FM_OK) {
+            fprintf(stderr, "fm-bench: EP setup on rank %d: %s\n", r, fm_last_error(e->ctx));
+            ok = 0;
+        }
+        e->ob = ep_mat(cap, EP_H, FM_DTYPE_BF16);
+        e->o8 = ep_quant(cap, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128);
+        e->o4 = ep_quant(cap, FM_DTYPE_E2M1, FM_SCALE_MX32);
+        e->o8b = ep_quant(cap, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128);
+        e->oids = ep_mat(cap, EP_K, FM_DTYPE_I32);
+        e->op = ep_mat(cap, EP_K, FM_DTYPE_F32);
+        e->out = ep_mat(T, EP_H, FM_DTYPE_BF16);
+        e->raw_send = dalloc(rows * ep_row_bytes[0]);
+        e->raw_recv = dalloc(rows * ep_row_bytes[0]);
+        CK(cudaMemset(e->ob.data, 0, (size_t)fm_tensor_nbytes(&e->ob)));
+        CK(cudaDeviceSynchronize());
+    }
+    for (int r = 0; r < n; r++)
+        free(ids[r]), free(probs[r]);
+    if (ok) {
+        pthread_barrier_init(&w.bar, NULL, (unsigned)n);
+        pthread_t th[EP_MAXR];
+        for (int r = 0; r < n; r++)
+            pthread_create(&th[r], NULL, ep_thread, &w.rk[r]);
+        for (int r = 0; r < n; r++)
+            pthread_join(th[r], NULL);
+        pthread_barrier_destroy(&w.bar);
+    }
+    int failed = !ok;
+    for (int r = 0; r < n; r++) {
+        ep_rank *e = &w.rk[r];
+        failed |= e->failed;
+        CK(cudaSetDevice(r));
+        fm_tensor *ts[12] = {&e->ids, &e->probs, &e->xb, &e->x8, &e->x4, &e->ob,
+                             &e->o8,  &e->o4,    &e->o8b, &e->oids, &e->op, &e->out};
+        for (int i = 0; i < 12; i++)
+            free_t(ts[i]);
+        cudaFree(e->raw_send);
+        cudaFree(e->raw_recv);
+        if (!ok) { /* the threads that destroy them did not run; aborting needs no peer */
+            fm_comm_destroy(e->comm);
+            ncclCommAbort(e->nc);
+        }
+        fm_context_destroy(e->ctx);
+        cudaStreamDestroy(e->s);
+    }
+    CK(cudaSetDevice(0));
+    const ep_rank *z = &w.rk[0];
+    int nres = 0;
+    for (int i = 0; i < EP_NRES; i++) {
+        if (filter && !strstr(ep_names[i], filter))
+            continue;
+        ep_result *o = &out[nres++];
+        o->name = ep_names[i];
+        o->ok = !failed;
+        o->mb = (double)(i == EP_NRES - 1 ? z->R : z->sent) * (double)ep_row_bytes[i < 3 ? i : i == 3 ? 2 : 0] / 1e6;
+        o->ms = z->ms[i];
+        o->raw_ms = z->ms[ep_raw_of[i]];
+        o->frac = o->ms > 0 ? o->raw_ms / o->ms : 0;
+        o->speedup = i < 4 && o->ms > 0 && (w.mask & 1u) ? z->ms[EPX_BF16] / o->ms : 0;
+        fprintf(stderr, "fm-bench: %-60s %8.3f ms (raw NCCL %.3f ms)\n", o->name, o->ms, o->raw_ms);
+    }
+    return nres;
+}
+
+#else
+
+static int bench_ep(const char *filter, ep_result *out, int *nranks, int64_t *tokens)
+{
+    (void)filter, (void)out, (void)nranks, (void)tokens;
+    fprintf(stderr, "fm-bench: EP section skipped: this flowmoe was built without NCCL\n");
+    return 0;
+}
+
+#endif
+
+static void print_ep(int json, const ep_result *er, int ner, int n, int64_t T)
+{
+    if (json) {
+        printf("  \"ep\": {\"ranks\": %d, \"tokens_per_rank\": %lld, \"H\": %d, \"k\": %d, \"experts_per_rank\": %d, "
+               "\"cases\": [\n", n, (long long)T, 7168, 8, 8);
+        for (int i = 0; i < ner; i++)
+            printf("    {\"name\": \"%s\", \"mb_sent_rank0\": %.1f, \"ms\": %.3f, \"speedup_vs_bf16\": %.3f, "
+                   "\"raw_nccl_ms\": %.3f, \"fraction_of_raw_nccl\": %.4f, \"ok\": %s}%s\n",
+                   er[i].name, er[i].mb, er[i].ms, er[i].speedup, er[i].raw_ms, er[i].frac, er[i].ok ? "true" : "false",
+                   i + 1 < ner ? "," : "");
+        printf("  ]}");
+        return;
+    }
+    if (!ner)
+        return;
+    printf("\n| EP over NCCL (%d ranks, %lld tokens per rank, H 7168, k 8, 8 experts per rank) | MB sent (rank 0) "
+           "| ms | speedup vs BF16 dispatch | raw NCCL ms, same bytes | of raw NCCL bandwidth |\n"
+           "|---|---:|---:|---:|---:|---:|\n",
+           n, (long long)T);
+    for (int i = 0; i < ner; i++) {
+        char sp[32] = "-";
+        if (er[i].speedup > 0)
+            snprintf(sp, sizeof sp, "%.2fx", er[i].speedup);
+        printf("| %s%s | %.1f | %.3f | %s | %.3f | %.1f%% |\n", er[i].name, er[i].ok ? "" : " (ERROR)", er[i].mb,
+               er[i].ms, sp, er[i].raw_ms, er[i].frac * 100);
+    }
+}
+
 int main(int argc, char **argv)
 {
-    int json = 0, layer = 1;
+    int json = 0, layer = 1, ep = 1, ep_only = 0;
     const char *filter = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--json"))
@@ -948,8 +1382,13 @@ int main(int argc, char **argv)
             filter = argv[++i];
         else if (!strcmp(argv[i], "--no-layer"))
             layer = 0;
+        else if (!strcmp(argv[i], "--no-ep"))
+            ep = 0;
+        else if (!strcmp(argv[i], "--ep-only"))
+            ep_only = 1;
         else {
-            fprintf(stderr, "usage: fm-bench [--json] [--reps N] [--filter SUBSTRING] [--no-layer]\n");
+            fprintf(stderr, "usage: fm-bench [--json] [--reps N] [--filter SUBSTRING] [--no-layer] [--no-ep] "
+                            "[--ep-only]\n");
             return 2;
         }
     }
@@ -971,6 +1410,25 @@ int main(int argc, char **argv)
     int drv = 0, rt = 0;
     cudaDriverGetVersion(&drv);
     cudaRuntimeGetVersion(&rt);
+
+    ep_result er[EP_NRES];
+    int ep_ranks = 0, ner = 0;
+    int64_t ep_tokens = 0;
+    if (ep_only) {
+        ner = bench_ep(filter, er, &ep_ranks, &ep_tokens);
+        if (json) {
+            printf("{\n  \"device\": \"%s\",\n", prop.name);
+            if (ner)
+                print_ep(1, er, ner, ep_ranks, ep_tokens);
+            printf("\n}\n");
+        } else {
+            printf("## fm-bench EP on %s\n", prop.name);
+            print_ep(0, er, ner, ep_ranks, ep_tokens);
+        }
+        fm_context_destroy(ctx);
+        cudaStreamDestroy(s);
+        return ner ? 0 : 77;
+    }
 
     /* Copy bandwidth: 1 GiB, two alternating sources. */
     copy_arg ca;
@@ -1099,6 +1557,8 @@ int main(int argc, char **argv)
     lresult lres[FM_RECIPE_COUNT];
     int nlres = layer ? bench_layer(ctx, s, filter, lres) : 0;
 
+    ner = ep ? bench_ep(filter, er, &ep_ranks, &ep_tokens) : 0;
+
     /* The scaling-aware transpose against the BF16 round trip it replaces. */
     double speedup = 0;
     {
@@ -1145,7 +1605,10 @@ int main(int argc, char **argv)
                    "\"ms_per_step\": %.3f, \"speedup_vs_bf16\": %.3f, \"workspace_bytes\": %lld, \"ok\": %s}%s\n",
                    fm_recipe_name(lres[i].recipe), LB_T, LB_H, LB_I, LB_E, LB_K, lres[i].ms, lres[i].speedup,
                    (long long)lres[i].workspace, lres[i].ok ? "true" : "false", i + 1 < nlres ? "," : "");
-        printf("  ]\n}\n");
+        printf("  ]%s\n", ner ? "," : "");
+        if (ner)
+            print_ep(1, er, ner, ep_ranks, ep_tokens);
+        printf("\n}\n");
     } else {
         printf("## fm-bench on %s (%d SMs, L2 %d MiB), %s\n\n", prop.name, prop.multiProcessorCount,
                prop.l2CacheSize >> 20, date);
@@ -1187,6 +1650,7 @@ int main(int argc, char **argv)
                 printf("| %s%s | %.2f | %.2fx | %.2f |\n", fm_recipe_name(lres[i].recipe), lres[i].ok ? "" : " (ERROR)",
                        lres[i].ms, lres[i].speedup, (double)lres[i].workspace / 1e9);
         }
+        print_ep(0, er, ner, ep_ranks, ep_tokens);
         printf("\n%d target(s) missed\n", below);
     }
     fm_context_destroy(ctx);

@@ -44,11 +44,23 @@ typedef struct fm_comm fm_comm;
 fm_status fm_comm_create_inproc(int nranks, fm_comm **ranks_out);
 
 /* A communicator over an NCCL communicator the caller already has
- * (`nccl_comm` is an ncclComm_t; the caller keeps owning it). The context
- * must be a CUDA context; dispatch and combine are queued on its stream.
- * FM_ERR_UNSUPPORTED with a sentence in builds without NCCL. */
+ * (`nccl_comm` is an ncclComm_t; the caller keeps owning it, and destroys it
+ * after fm_comm_destroy unless fm_comm_abort aborted it). The context must
+ * be a CUDA context on the ncclComm's device; each call's context must be
+ * one on that device too. Dispatch and combine are queued on the context's
+ * stream, but each call first waits for that stream (its routing plan is
+ * made on the host from expert_ids) and for the header exchange; the
+ * payload exchange and the kernels after it are left queued. The
+ * communicator keeps staging memory on the device (about the rows sent,
+ * or received back, times their bytes) and in pinned host memory, grown on
+ * demand and freed by fm_comm_destroy. A failed NCCL or CUDA call
+ * (FM_ERR_BACKEND) breaks this rank's communicator: later calls fail at
+ * once; abort every rank then (fm_comm_abort). FM_ERR_UNSUPPORTED with a
+ * sentence in builds without NCCL. */
 fm_status fm_comm_create_nccl(fm_context *ctx, void *nccl_comm, fm_comm **out);
 
+/* NCCL: waits for the communicator's queued work; never destroys the
+ * ncclComm. */
 void fm_comm_destroy(fm_comm *comm);
 /* -1 for a NULL comm. */
 int fm_comm_rank(const fm_comm *comm);
@@ -56,8 +68,16 @@ int fm_comm_size(const fm_comm *comm);
 
 /* Marks the whole group broken: calls waiting in (or later entering) a
  * collective on any rank of this communicator return FM_ERR_BACKEND. For a
- * rank that must leave without making the collective calls the others make
- * (NCCL: ncclCommAbort). The communicators can then only be destroyed. */
+ * rank that must leave without making the collective calls the others make.
+ * The communicators can then only be destroyed.
+ * NCCL: the other ranks live in other threads or processes, so this reaches
+ * this rank only: it calls ncclCommAbort on the caller's ncclComm_t (which
+ * frees it: do not ncclCommDestroy it afterwards), and this rank's calls,
+ * one that waits for the GPU in another thread included, return
+ * FM_ERR_BACKEND (one inside an NCCL call finishes that call first). Each rank
+ * aborts its own communicator; until then a peer learns of it only where
+ * NCCL tells it (a network transport sees the connection go; a peer on
+ * NVLink or shared memory keeps waiting). */
 void fm_comm_abort(fm_comm *comm);
 
 typedef struct fm_ep_config {
