@@ -224,34 +224,38 @@ static fm_router_config wl_router_cfg(const wl_inputs *in, int i)
     return c;
 }
 
-/* Rows [r0, r1) of a host F32 matrix of `cols` columns set to huge positive values. */
+/* Columns [0, 16) of rows [r0, r1) of an F32 matrix of `cols` columns set to huge positive values. */
 static void wl_huge_rows(wl_host *h, int64_t r0, int64_t r1, int64_t cols, float base)
 {
     for (int64_t r = r0; r < r1; r++)
-        for (int64_t c = 0; c < cols; c++)
+        for (int64_t c = 0; c < 16 && c < cols; c++)
             ((float *)h->t.data)[r * cols + c] = base * (1.0f + 0.5f * fabsf(wl_val()));
 }
 
-/* GEMM sources: random in [-2, 2); nasty: NaN and +-Inf in chosen rows, and
- * rows of 1e34 whose products with each other overflow F32 while their
- * products with ordinary rows stay far from it (every partial sum too), so
- * that an F32 accumulation and the double rule agree on which outputs are
- * +Inf. */
-static wl_host wl_gemm_src(int64_t r, int64_t k, int nasty, int which)
+/* GEMM sources: random in [-2, 2). WL_HUGE adds rows starting with 16
+ * values of about 1e34 (A: rows 1 and 2, B: row 3): their products with each
+ * other overflow F32, while every partial sum with an ordinary row stays far
+ * from FLT_MAX, so an F32 accumulation and the double rule agree on which
+ * outputs are +Inf. WL_SPECIALS adds NaN (one with a payload), +-Inf, an Inf
+ * meeting a zero. Operands with scales that span many rows (TENSOR,
+ * BLOCK_128x128) take WL_HUGE only: one NaN would make every output NaN. */
+enum { WL_CLEAN, WL_HUGE, WL_SPECIALS };
+
+static wl_host wl_gemm_src(int64_t r, int64_t k, int level, int which)
 {
     wl_host h = wl_host_new(wl_plain(FM_DTYPE_F32, r, k), 0);
     float *x = (float *)h.t.data;
     for (int64_t i = 0; i < r * k; i++)
         x[i] = wl_val();
-    if (!nasty)
+    if (level >= WL_HUGE)
+        wl_huge_rows(&h, which ? 3 : 1, which ? 4 : 3, k, 1e34f);
+    if (level < WL_SPECIALS)
         return h;
     if (which == 0) {
-        wl_huge_rows(&h, 1, 3, k, 1e34f);
         x[7 * k + 5 % k] = wl_bits(0x7FC00000u);
         x[9 * k + 100 % k] = wl_bits(0x7F800000u);
         x[10 * k + 3] = wl_bits(0xFF800000u), x[10 * k + k - 1] = wl_bits(0x7F800000u);
     } else {
-        wl_huge_rows(&h, 3, 4, k, 1e34f);
         x[11 * k + 100 % k] = wl_bits(0xFF800000u);
         x[12 * k + 17] = wl_bits(0xFFC12345u);
         x[20 * k + k / 2] = 0.0f;
@@ -308,14 +312,18 @@ static void wl_setup(wl_inputs *in, uint64_t seed, int safe, int nasty)
     /* dense GEMMs. The odd shapes are large enough for the CPU GEMM to split
      * the rows over 3 workers (it wants about 2^20 multiply-adds each). */
     in->GM = safe ? 256 : 387, in->GN = safe ? 128 : 45, in->GK = safe ? 384 : 203;
-    wl_host fa = wl_gemm_src(in->GM, in->GK, nasty, 0), fb = wl_gemm_src(in->GN, in->GK, nasty, 1);
+    const int full = nasty ? WL_SPECIALS : WL_CLEAN, wide = nasty ? WL_HUGE : WL_CLEAN;
+    wl_host fa = wl_gemm_src(in->GM, in->GK, full, 0), fb = wl_gemm_src(in->GN, in->GK, full, 1);
+    wl_host fa1 = wl_gemm_src(in->GM, in->GK, wide, 0), fb1 = wl_gemm_src(in->GN, in->GK, wide, 1);
     for (int p = 0; p < WL_NPAIRS; p++) {
         const wl_pair *pr = &wl_pairs[p];
         fm_scale_layout sla = p & 1 ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT;
         fm_scale_layout slb = p & 1 ? FM_SCALE_LAYOUT_COMPACT : FM_SCALE_LAYOUT_GEMM;
         if (pr->ma != FM_SCALE_NONE) {
-            in->ga[p] = wl_quant(cpu, &fa, pr->a, pr->ma, FM_LAYOUT_ROWWISE, sla);
-            in->gb[p] = wl_quant(cpu, &fb, pr->b, pr->mb, FM_LAYOUT_ROWWISE, slb);
+            int wa = pr->ma == FM_SCALE_TENSOR || pr->ma == FM_SCALE_BLOCK_128x128;
+            int wb = pr->mb == FM_SCALE_TENSOR || pr->mb == FM_SCALE_BLOCK_128x128;
+            in->ga[p] = wl_quant(cpu, wa ? &fa1 : &fa, pr->a, pr->ma, FM_LAYOUT_ROWWISE, sla);
+            in->gb[p] = wl_quant(cpu, wb ? &fb1 : &fb, pr->b, pr->mb, FM_LAYOUT_ROWWISE, slb);
         } else if (pr->a == FM_DTYPE_BF16) {
             in->ga[p] = wl_narrow(&fa, FM_DTYPE_BF16);
             in->gb[p] = wl_narrow(&fb, FM_DTYPE_BF16);
@@ -334,26 +342,32 @@ static void wl_setup(wl_inputs *in, uint64_t seed, int safe, int nasty)
             ((float *)in->gd0.t.data)[i] = wl_val();
     wl_host_free(&fa);
     wl_host_free(&fb);
+    wl_host_free(&fa1);
+    wl_host_free(&fb1);
 
     /* a long K, where a library could be tempted into split-K reductions */
-    wl_host f1 = wl_gemm_src(128, 4096, nasty, 0), f2 = wl_gemm_src(128, 4096, nasty, 1);
+    wl_host f1 = wl_gemm_src(128, 4096, full, 0), f2 = wl_gemm_src(128, 4096, full, 1);
+    wl_host f3 = wl_gemm_src(128, 4096, wide, 1);
     in->ka = wl_narrow(&f1, FM_DTYPE_BF16);
     in->kb = wl_narrow(&f2, FM_DTYPE_BF16);
     in->ka8 = wl_quant(cpu, &f1, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_LAYOUT_ROWWISE, FM_SCALE_LAYOUT_COMPACT);
-    in->kb8 = wl_quant(cpu, &f2, FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128, FM_LAYOUT_ROWWISE, FM_SCALE_LAYOUT_GEMM);
+    in->kb8 = wl_quant(cpu, &f3, FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128, FM_LAYOUT_ROWWISE, FM_SCALE_LAYOUT_GEMM);
     wl_host_free(&f1);
     wl_host_free(&f2);
+    wl_host_free(&f3);
 
     /* a linear layer's three GEMMs */
     in->LT = safe ? 256 : 387, in->LIN = safe ? 384 : 203, in->LOUT = safe ? 128 : 45;
-    in->lx = wl_gemm_src(in->LT, in->LIN, nasty, 0);
-    in->lw = wl_gemm_src(in->LOUT, in->LIN, nasty, 1);
-    in->ldy = wl_gemm_src(in->LT, in->LOUT, nasty, 0);
+    in->lx = wl_gemm_src(in->LT, in->LIN, full, 0);
+    in->lw = wl_gemm_src(in->LOUT, in->LIN, full, 1);
+    in->ldy = wl_gemm_src(in->LT, in->LOUT, full, 0);
+    wl_host lw1 = wl_gemm_src(in->LOUT, in->LIN, wide, 1);
     in->lx_row = wl_quant(cpu, &in->lx, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_LAYOUT_ROWWISE, FM_SCALE_LAYOUT_COMPACT);
     in->lx_col = wl_quant(cpu, &in->lx, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_LAYOUT_COLWISE, FM_SCALE_LAYOUT_GEMM);
-    in->lw_row = wl_quant(cpu, &in->lw, FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128, FM_LAYOUT_ROWWISE, FM_SCALE_LAYOUT_GEMM);
-    in->lw_col = wl_quant(cpu, &in->lw, FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128, FM_LAYOUT_COLWISE,
+    in->lw_row = wl_quant(cpu, &lw1, FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128, FM_LAYOUT_ROWWISE, FM_SCALE_LAYOUT_GEMM);
+    in->lw_col = wl_quant(cpu, &lw1, FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128, FM_LAYOUT_COLWISE,
                           FM_SCALE_LAYOUT_COMPACT);
+    wl_host_free(&lw1);
     in->ldy_row = wl_quant(cpu, &in->ldy, FM_DTYPE_E5M2, FM_SCALE_BLOCK_1x128, FM_LAYOUT_ROWWISE,
                            FM_SCALE_LAYOUT_COMPACT);
     in->ldy_col = wl_quant(cpu, &in->ldy, FM_DTYPE_E5M2, FM_SCALE_BLOCK_1x128, FM_LAYOUT_COLWISE,
@@ -369,15 +383,19 @@ static void wl_setup(wl_inputs *in, uint64_t seed, int safe, int nasty)
         in->SM += in->sp[e];
     in->SN = safe ? 128 : 45, in->SK = safe ? 256 : 203;
     {
-        wl_host a = wl_gemm_src(in->SM, in->SK, nasty, 0);
+        wl_host a = wl_gemm_src(in->SM, in->SK, full, 0);
         wl_host b = wl_host_new(fm_tensor_3d(NULL, FM_DTYPE_F32, in->nsp, in->SN, in->SK), 0);
+        wl_host b1 = wl_host_new(b.t, 0);
         for (int64_t e = 0; e < in->nsp; e++) {
-            wl_host be = wl_gemm_src(in->SN, in->SK, nasty, 1);
+            wl_host be = wl_gemm_src(in->SN, in->SK, full, 1), be1 = wl_gemm_src(in->SN, in->SK, wide, 1);
             memcpy((float *)b.t.data + e * in->SN * in->SK, be.t.data, be.nd);
+            memcpy((float *)b1.t.data + e * in->SN * in->SK, be1.t.data, be1.nd);
             wl_host_free(&be);
+            wl_host_free(&be1);
         }
         in->sa8 = wl_quant(cpu, &a, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_LAYOUT_ROWWISE, FM_SCALE_LAYOUT_COMPACT);
-        in->sb8 = wl_quant(cpu, &b, FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128, FM_LAYOUT_ROWWISE, FM_SCALE_LAYOUT_GEMM);
+        in->sb8 = wl_quant(cpu, &b1, FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128, FM_LAYOUT_ROWWISE, FM_SCALE_LAYOUT_GEMM);
+        wl_host_free(&b1);
         in->sa5 = wl_quant(cpu, &a, FM_DTYPE_E4M3, FM_SCALE_ROW, FM_LAYOUT_ROWWISE, FM_SCALE_LAYOUT_COMPACT);
         in->sb5 = wl_quant(cpu, &b, FM_DTYPE_E5M2, FM_SCALE_ROW, FM_LAYOUT_ROWWISE, FM_SCALE_LAYOUT_COMPACT);
         in->sab = wl_narrow(&a, FM_DTYPE_BF16);
@@ -387,7 +405,7 @@ static void wl_setup(wl_inputs *in, uint64_t seed, int safe, int nasty)
     }
     {
         fm_splits s = {in->nsp, in->sp, NULL};
-        wl_host y = wl_gemm_src(in->SM, in->SN, nasty, 0), x = wl_gemm_src(in->SM, in->SK, nasty, 1);
+        wl_host y = wl_gemm_src(in->SM, in->SN, full, 0), x = wl_gemm_src(in->SM, in->SK, full, 1);
         fm_quant_config qc = {0};
         fm_tensor py = wl_desc(FM_DTYPE_E5M2, FM_SCALE_BLOCK_1x128, FM_LAYOUT_COLWISE, FM_SCALE_LAYOUT_COMPACT, 2, 1,
                                in->SM, in->SN);
@@ -532,7 +550,7 @@ typedef struct {
 
 typedef struct {
     fm_context *ctx;
-    int cuda;
+    int cuda;        /* the CUDA op set */
     uint8_t poison;
     int ep_threads;  /* CPU threads of each EP rank's context */
     const wl_inputs *in;
@@ -1212,12 +1230,16 @@ static void wl_ep_ops(wl_run *r)
     }
 }
 
-/* Every op; EP only on the CPU backend (the in-process communicator takes host tensors). */
+/* Every op. ep_threads > 0: EP too, each rank a CPU context with that many
+ * threads (the in-process communicator takes host tensors). ep_threads = 0:
+ * the ops the CUDA backend runs (no EP, no BLOCK_128x128 x BLOCK_128x128
+ * GEMM), also on a CPU context, so that its outputs line up with a CUDA
+ * run's. */
 static void wl_run_all(wl_run *r, fm_context *ctx, const wl_inputs *in, uint8_t poison, int ep_threads)
 {
     memset(r, 0, sizeof *r);
     r->ctx = ctx;
-    r->cuda = fm_context_backend(ctx) == FM_BACKEND_CUDA;
+    r->cuda = fm_context_backend(ctx) == FM_BACKEND_CUDA || ep_threads <= 0;
     r->poison = poison;
     r->ep_threads = ep_threads;
     r->in = in;
@@ -1276,26 +1298,35 @@ static int wl_diff(const wl_run *a, const wl_run *b, int gemm_tolerance, const c
             return bad + 1;
         }
         if (gemm_tolerance && x->gemm) {
-            size_t n = x->n / (x->dtype == FM_DTYPE_BF16 ? 2 : 4), cls = 0, first = 0;
+            static const char *cn[4] = {"NaN", "+Inf", "-Inf", "finite"};
+            size_t n = x->n / (x->dtype == FM_DTYPE_BF16 ? 2 : 4), moved[4][4] = {{0}}, cls = 0, first = 0;
             double num = 0, den = 0;
             for (size_t k = 0; k < n; k++) {
                 double u = wl_gemm_val(x, k), v = wl_gemm_val(y, k);
-                if (wl_class(u) != wl_class(v)) {
+                int cu = wl_class(u), cv = wl_class(v);
+                if (cu != cv) {
                     if (cls++ == 0)
                         first = k;
+                    moved[cu][cv]++;
                     continue;
                 }
-                if (wl_class(u) == 3)
+                if (cu == 3)
                     num += (u - v) * (u - v), den += u * u;
             }
             double rel = den > 0 ? sqrt(num / den) : sqrt(num);
             double tol = x->dtype == FM_DTYPE_BF16 ? 5e-3 : 5e-4;
             if (cls || !(rel <= tol)) {
                 bad++;
-                fprintf(stderr,
-                        "%s: %s: %zu of %zu elements differ in class (NaN / +Inf / -Inf / finite; first at %zu: %g "
-                        "against %g), relative Frobenius error of the finite ones %.3g (tolerance %.0e)\n",
-                        label, x->name, cls, n, first, wl_gemm_val(x, first), wl_gemm_val(y, first), rel, tol);
+                fprintf(stderr, "%s: %s: relative Frobenius error of the finite elements %.3g (tolerance %.0e); %zu of %zu "
+                        "elements differ in class", label, x->name, rel, tol, cls, n);
+                for (int c = 0; c < 4; c++)
+                    for (int d = 0; d < 4; d++)
+                        if (moved[c][d])
+                            fprintf(stderr, ", %zu %s against %s", moved[c][d], cn[c], cn[d]);
+                if (cls)
+                    fprintf(stderr, " (first: element %zu, %g against %g)", first, wl_gemm_val(x, first),
+                            wl_gemm_val(y, first));
+                fprintf(stderr, "\n");
             }
             continue;
         }
