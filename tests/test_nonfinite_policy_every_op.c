@@ -1418,6 +1418,17 @@ static void swiglu_policy(fm_context *ctx)
                 tu_fail(__FILE__, __LINE__, "dprobs = dot(dh, silu(g) u)", "row %lld: got %a want %a, dep %d",
                         (long long)m, (double)dp[m], (double)dpr[m], pdep[m]);
         }
+        /* amax and the count describe a quantized result: asked for with an unscaled output they
+         * would never be written, so the call is refused and leaves them alone */
+        float amax = 42.0f;
+        int64_t cnt = 42;
+        fm_quant_config ask_amax = {.amax = &amax}, ask_cnt = {.nonfinite_blocks = &cnt};
+        CHECK(fm_moe_swiglu(ctx, &ask_cnt, &tin, &tp, &to, NULL, NULL) == FM_ERR_INVALID_ARG &&
+                  strstr(fm_last_error(ctx), "cfg->nonfinite_blocks") && cnt == 42,
+              "%s to F32 asked for nonfinite_blocks: %s, count %lld", fw, fm_last_error(ctx), (long long)cnt);
+        CHECK(fm_moe_swiglu_backward(ctx, &ask_amax, &tdh, &tin, &tp, &td, NULL, NULL) == FM_ERR_INVALID_ARG &&
+                  strstr(fm_last_error(ctx), "cfg->amax") && amax == 42.0f,
+              "%s to F32 asked for amax: %s, amax %a", bw, fm_last_error(ctx), (double)amax);
         free(o), free(d), free(dp);
     }
     /* quantized outputs: NaN blocks exactly where the result is non-finite (overflow included), counted;
