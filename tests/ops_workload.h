@@ -1269,6 +1269,19 @@ static void wl_run_free(wl_run *r)
 
 /* ---- comparing two runs ----------------------------------------------------------- */
 
+/* How many op calls a run made and how many outputs it read back. */
+static void wl_count(const wl_run *r, int *calls, int *outputs)
+{
+    *calls = *outputs = 0;
+    for (int i = 0; i < r->nblob; i++) {
+        size_t n = strlen(r->blob[i].name);
+        if (n >= 8 && !strcmp(r->blob[i].name + n - 8, ": status"))
+            ++*calls;
+        else
+            ++*outputs;
+    }
+}
+
 static double wl_gemm_val(const wl_blob *b, size_t i)
 {
     if (b->dtype == FM_DTYPE_BF16)

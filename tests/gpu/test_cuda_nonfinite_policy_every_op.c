@@ -37,12 +37,13 @@ int main(void)
     GT_CHECK(c.failures == 0 && g.failures == 0, "op calls failed: %d on the CPU, %d on CUDA (printed above)",
              c.failures, g.failures);
     int bad = wl_diff(&c, &g, 1, "CPU against CUDA");
-    int gemms = 0;
+    int gemms = 0, calls, outputs;
     for (int i = 0; i < c.nblob; i++)
         gemms += c.blob[i].gemm;
+    wl_count(&c, &calls, &outputs);
     GT_CHECK(bad == 0, "%d of %d outputs differ (printed above)", bad, c.nblob);
-    printf("%s: %d outputs compared (%d GEMM outputs by class and tolerance, the rest byte for byte)\n", name,
-           c.nblob, gemms);
+    printf("%s: %d op calls, %d outputs compared (%d GEMM outputs by class and tolerance, the rest byte for byte)\n",
+           name, calls, outputs, gemms);
     wl_run_free(&c);
     wl_run_free(&g);
     wl_inputs_free(&in);

@@ -41,7 +41,10 @@ int main(void)
         snprintf(label, sizeof label, "%s inputs, fresh context", nasty ? "nasty" : "clean");
         bad = wl_diff(&ref, &fresh, 0, label);
         GT_CHECK(bad == 0, "%s: %d of %d outputs differ (printed above)", label, bad, ref.nblob);
-        printf("%s: %s inputs: %d outputs compared over 3 runs\n", name, nasty ? "nasty" : "clean", ref.nblob);
+        int calls, outputs;
+        wl_count(&ref, &calls, &outputs);
+        printf("%s: %s inputs: %d op calls, %d outputs compared over 3 runs\n", name, nasty ? "nasty" : "clean", calls,
+               outputs);
         wl_run_free(&ref);
         wl_run_free(&again);
         wl_run_free(&fresh);
