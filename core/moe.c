@@ -358,6 +358,12 @@ static fm_status check_act_outputs(fm_context *ctx, const fm_quant_config *cfg, 
             return fm_error(ctx, FM_ERR_INVALID_ARG,
                             "%s: must be NULL when %s is unscaled %s (a column-wise copy is a quantized output)", cn,
                             rn, fm_dtype_name(row->dtype));
+        /* Nothing is quantized, so nothing would write them: a caller would read what was there before. */
+        if (cfg->amax || cfg->nonfinite_blocks)
+            return fm_error(ctx, FM_ERR_INVALID_ARG,
+                            "%s: describes the quantized result, but %s is unscaled %s and nothing is quantized; "
+                            "leave it NULL",
+                            cfg->amax ? "cfg->amax" : "cfg->nonfinite_blocks", rn, fm_dtype_name(row->dtype));
     }
     for (int i = 0; i < 2; i++) {
         if (!q[i])

@@ -12,7 +12,7 @@ root=$PWD
 secs=${1:-60}
 shift || true
 harnesses=("$@")
-[ ${#harnesses[@]} -gt 0 ] || harnesses=(fuzz_descriptor_validation fuzz_quantize_roundtrip fuzz_requantize_oracle fuzz_npy_reader)
+[ ${#harnesses[@]} -gt 0 ] || harnesses=(fuzz_descriptor_validation fuzz_quantize_roundtrip fuzz_requantize_oracle fuzz_npy_reader fuzz_moe_ops_oracle)
 
 command -v clang >/dev/null 2>&1 || { echo "fuzz.sh: clang is not installed (libFuzzer ships with it)" >&2; exit 2; }
 if ! command -v meson >/dev/null 2>&1 && [ -x "$root/.tools/bin/meson" ]; then

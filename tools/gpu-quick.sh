@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
 # Correctness pass on a GPU machine, shorter than gpu-check.sh: build, the GPU
-# suite (fm-xval included), fm-train on CUDA next to CPU, memcheck over the
-# GPU tests. Logs under $OUT.
+# suite (fm-xval included), fm-train on CUDA next to CPU, and compute-sanitizer
+# memcheck, racecheck, initcheck and synccheck, each over every GPU test (and
+# memcheck over fm-xval -q), with one summary line per tool. Logs under $OUT.
+#   FM_QUICK_STEPS   steps to run after the build (default "tests xval train sanitizers")
+#   FM_SANITIZERS    tools to run (default "memcheck synccheck racecheck initcheck";
+#                    FM_MEMCHECK=0 runs none)
+#   FM_SANITIZER_BUDGET  seconds for all sanitizer runs together (default 480, shared
+#                    equally by the tools): runs that do not fit are counted as not
+#                    run, never dropped silently
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-quick-out}
@@ -15,17 +22,56 @@ nvidia-smi --query-gpu=name --format=csv,noheader >>"$s"
 [ -f $B/build.ninja ] || t 120 build.log meson setup $B -Dcuda=enabled -Doracle_tests=false
 t 400 build.log ninja -C $B -j "$(nproc)" || { tail -40 "$OUT/build.log"; exit 1; }
 grep -c "warning" "$OUT/build.log" | sed 's/^/build warnings: /' >>"$s"
-names=$(meson test -C $B --suite gpu --list 2>/dev/null | awk -F: '{print $NF}' | grep -v '^fm-xval$')
-t 300 tests.log meson test -C $B --num-processes 1 --print-errorlogs $names
-grep -E "^ *[0-9]+/[0-9]+ " "$OUT/tests.log" >>"$s"
-t 200 xval.log $B/tools/fm-xval
-grep -E "passed" "$OUT/xval.log" >>"$s"
-t 60 train.log $B/tools/fm-train --backend cuda --steps 6 --print-every 1 --out "$OUT/train-cuda"
-t 60 train.log $B/tools/fm-train --backend cpu --steps 6 --print-every 1 --out "$OUT/train-cpu"
-if [ "${FM_MEMCHECK:-1}" = 1 ]; then
-  for x in $B/tests/gpu/test_cuda_*; do [ -f "$x" ] && [ -x "$x" ] || continue
-    t 120 memcheck.log compute-sanitizer --tool memcheck --error-exitcode 9 "$x"
-  done
-  t 200 memcheck.log compute-sanitizer --tool memcheck --error-exitcode 9 $B/tools/fm-xval -q
+steps=" ${FM_QUICK_STEPS:-tests xval train sanitizers} "
+if [[ $steps == *" tests "* ]]; then
+  names=$(meson test -C $B --suite gpu --list 2>/dev/null | awk -F: '{print $NF}' | grep -v '^fm-xval$')
+  t 300 tests.log meson test -C $B --num-processes 1 --print-errorlogs $names
+  grep -E "^ *[0-9]+/[0-9]+ " "$OUT/tests.log" >>"$s"
 fi
+if [[ $steps == *" xval "* ]]; then
+  t 200 xval.log $B/tools/fm-xval
+  grep -E "passed" "$OUT/xval.log" >>"$s"
+fi
+if [[ $steps == *" train "* ]]; then
+  t 60 train.log $B/tools/fm-train --backend cuda --steps 6 --print-every 1 --out "$OUT/train-cuda"
+  t 60 train.log $B/tools/fm-train --backend cpu --steps 6 --print-every 1 --out "$OUT/train-cpu"
+fi
+# sanitize TOOL PROGRAM [ARGS]: one run under compute-sanitizer (at most
+# $san_cap s, default 120), its log appended to $OUT/TOOL.log; adds to the
+# tool's counts (checked, errors, no summary, not run).
+sanitize() {
+  local tool=$1 cap=${san_cap:-120}; shift
+  local lim=$((san_end - SECONDS)); [ $lim -gt $cap ] && lim=$cap
+  if [ $lim -lt 10 ]; then notrun=$((notrun + 1)); echo "$tool $*: NOT RUN (budget spent)" >>"$s"; return; fi
+  local log=$OUT/$tool-one.log
+  t $lim $tool-one.log compute-sanitizer --tool "$tool" --error-exitcode 9 "$@"
+  local rc=$? n
+  cat "$log" >>"$OUT/$tool.log"
+  # racecheck counts its errors in its own summary line, the other tools in ERROR SUMMARY
+  n=$(grep -oE "RACECHECK SUMMARY: .*\(([0-9]+) error" "$log" | grep -oE "[0-9]+ error" | grep -oE "[0-9]+" | tail -1)
+  [ -n "$n" ] || n=$(grep -oE "ERROR SUMMARY: [0-9]+ error" "$log" | grep -oE "[0-9]+" | tail -1)
+  rm -f "$log"
+  if [ -z "$n" ]; then nosum=$((nosum + 1)); echo "$tool $*: rc=$rc and no summary (timed out or crashed)" >>"$s"; return; fi
+  checked=$((checked + 1)); errors=$((errors + n))
+  [ $rc -eq 0 ] || [ $rc -eq 9 ] || echo "$tool $*: 0 sanitizer errors but the program returned rc=$rc" >>"$s"
+}
+san_tools=${FM_SANITIZERS-memcheck synccheck racecheck initcheck}
+[ "${FM_MEMCHECK:-1}" = 1 ] || san_tools=""
+[[ $steps == *" sanitizers "* ]] || san_tools=""
+if [ -n "$san_tools" ] && ! command -v compute-sanitizer >/dev/null 2>&1; then
+  echo "compute-sanitizer: NOT FOUND, no sanitizer run" >>"$s"; san_tools=""
+fi
+# Each tool gets an equal share of what is left of the budget, so that one
+# slow tool cannot crowd out the others.
+budget_end=$((SECONDS + ${FM_SANITIZER_BUDGET:-480}))
+ntools=$(echo $san_tools | wc -w)
+for tool in $san_tools; do
+  san_end=$((SECONDS + (budget_end - SECONDS) / ntools)); ntools=$((ntools - 1))
+  checked=0 errors=0 nosum=0 notrun=0
+  for x in $B/tests/gpu/test_cuda_*; do [ -f "$x" ] && [ -x "$x" ] || continue
+    sanitize "$tool" "$x"
+  done
+  [ "$tool" = memcheck ] && san_cap=200 sanitize "$tool" $B/tools/fm-xval -q
+  echo "compute-sanitizer $tool: $checked programs checked, $errors errors found, $nosum runs without a summary, $notrun not run (budget)" >>"$s"
+done
 cat "$s"

@@ -120,7 +120,9 @@ fm_status fm_moe_unpermute_backward(fm_context *ctx, const fm_tensor *dout, cons
  * E2M1 MX32): `in` quantized as fm_quantize(cfg, in) would, written in the
  * same pass — the copy a recipe saves for fm_moe_swiglu_backward without an
  * extra read of `in` (in must then be BF16/F32). cfg->amax and
- * cfg->nonfinite_blocks describe h only. */
+ * cfg->nonfinite_blocks describe h only, as quantized into out_row / out_col:
+ * with an unscaled out_row nothing is quantized, and asking for them is
+ * FM_ERR_INVALID_ARG (so is it for din_row in fm_moe_swiglu_backward). */
 fm_status fm_moe_swiglu(fm_context *ctx, const fm_quant_config *cfg, const fm_tensor *in, const fm_tensor *probs,
                         fm_tensor *out_row, fm_tensor *out_col, fm_tensor *in_saved);
 

@@ -104,3 +104,23 @@ write("fuzz_npy_reader", "truncated", npy("<f4", [4, 4], struct.pack("<3f", 1, 2
 write("fuzz_npy_reader", "big-endian", npy(">f4", [1], b"\x00\x00\x80\x3f"))
 write("fuzz_npy_reader", "structured", b"\x93NUMPY\x01\x00\x40\x00" +
       b"{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (1,), }".ljust(63) + b"\n")
+
+
+# fuzz_moe_ops_oracle: [kind, T, k, E, H, pad|swiglu flags, flags, seed] + ids (T*k bytes) + probs, x, scales,
+# y, dout, SwiGLU inputs (raw bytes, repeated by the harness). Appended last: the generator above stays as it was.
+for kind in range(5):
+    for v in range(3):
+        T, k, E = [(7, 2, 4), (33, 8, 12), (1, 1, 1)][v]
+        hdr = [kind, T - 1, k - 1, E - 1, [31, 99, 0][v], [0x01, 0x36, 0x2E][v] | (kind << 3 & 0x18),
+               [0x07, 0x4B, 0xA9][v], rng.randrange(256)]
+        ids = [rng.randrange(E + 1) for _ in range(T * k)]
+        payload = []
+        for _ in range(64):
+            payload += list(struct.pack("<f", rng.gauss(0, 1)))
+        payload[4:8] = list(struct.pack("<I", 0x7FC12345))  # a NaN with a payload
+        payload[12:16] = list(struct.pack("<f", float("inf")))
+        payload[20:24] = list(struct.pack("<f", 3e38))
+        write("fuzz_moe_ops_oracle", f"kind{kind}-{v}", hdr + ids + payload)
+# a routing that needs more rows than out has (spare rows taken away), and one with an id out of range
+write("fuzz_moe_ops_oracle", "refuse-too-few-rows", [0, 9, 1, 2, 7, 0x06, 0x11, 6] + [1, 1, 1, 2, 1, 1, 1, 1, 1, 1] * 2)
+write("fuzz_moe_ops_oracle", "refuse-id-out-of-range", [2, 5, 1, 3, 63, 0x02, 0x21, 1] + [0xFF, 1, 2, 3, 0xFF, 0] * 2)
