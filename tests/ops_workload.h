@@ -14,7 +14,7 @@
  * CPU context (so every run of every backend starts from the same bytes).
  * `safe` picks shapes every CUDA path takes (cuBLASLt's FP8 kernels want
  * multiples of 128); otherwise the shapes are odd. `nasty` puts NaN, +-Inf,
- * non-canonical NaN payloads, overflow-sized values (3e38, or 1e34 rows whose
+ * non-canonical NaN payloads, overflow-sized values (3e38, or 1e20 rows whose
  * products overflow) and subnormals into every input; otherwise the inputs
  * hold only a few NaN and Inf. */
 #ifndef FM_OPS_WORKLOAD_H
@@ -233,10 +233,12 @@ static void wl_huge_rows(wl_host *h, int64_t r0, int64_t r1, int64_t cols, float
 }
 
 /* GEMM sources: random in [-2, 2). WL_HUGE adds rows starting with 16
- * values of about 1e34 (A: rows 1 and 2, B: row 3): their products with each
+ * values of about 1e20 (A: rows 1 and 2, B: row 3): their products with each
  * other overflow F32, while every partial sum with an ordinary row stays far
  * from FLT_MAX, so an F32 accumulation and the double rule agree on which
- * outputs are +Inf. WL_SPECIALS adds NaN (one with a payload), +-Inf, an Inf
+ * outputs are +Inf. Their block scales (about 2^58) multiply to a finite F32:
+ * scale products that overflow F32 are outside the GEMM contract (gemm.h,
+ * "Range"; at 1e34 cuBLASLt turned 0 x Inf into NaN). WL_SPECIALS adds NaN (one with a payload), +-Inf, an Inf
  * meeting a zero. Operands with scales that span many rows (TENSOR,
  * BLOCK_128x128) take WL_HUGE only: one NaN would make every output NaN. */
 enum { WL_CLEAN, WL_HUGE, WL_SPECIALS };
@@ -248,7 +250,7 @@ static wl_host wl_gemm_src(int64_t r, int64_t k, int level, int which)
     for (int64_t i = 0; i < r * k; i++)
         x[i] = wl_val();
     if (level >= WL_HUGE)
-        wl_huge_rows(&h, which ? 3 : 1, which ? 4 : 3, k, 1e34f);
+        wl_huge_rows(&h, which ? 3 : 1, which ? 4 : 3, k, 1e20f);
     if (level < WL_SPECIALS)
         return h;
     if (which == 0) {

@@ -29,7 +29,16 @@
  * output dtype (after adding the old D when accumulating). The CUDA backend
  * matches within relative Frobenius error 5e-3 (BF16 out) / 5e-4 (F32 out).
  * NaN in an operand (a NaN code or a NaN scale) reaches every output it
- * touches. */
+ * touches.
+ * Range: the CUDA backend (cuBLASLt) forms the product of an A and a B block
+ * scale in F32. Where that product overflows F32 (scales of about 2^64 each,
+ * i.e. block amaxes near 1e21 in E4M3; a model that has diverged), the
+ * outputs it reaches are NaN (0 x Inf) or +-Inf on CUDA while the CPU's
+ * double rule may give finite values: such operands are outside the
+ * tolerance contract, and CUDA never returns a wrong finite number for them
+ * (test_cuda_nonfinite_policy_every_op saw whole TENSOR-scaled outputs turn
+ * NaN). Inside that range, an F32 accumulation that overflows gives the
+ * +-Inf the double rule gives. */
 #ifndef FLOWMOE_GEMM_H
 #define FLOWMOE_GEMM_H
 

@@ -10,9 +10,10 @@
  *     relative Frobenius error (5e-3 BF16, 5e-4 F32 outputs) over the
  *     finite ones.
  * The GEMM inputs hold NaN and Inf elements, E5M2 Inf codes, NaN block
- * scales (a quantized non-finite block), and rows of 1e34 whose products with
+ * scales (a quantized non-finite block), and rows of 1e20 whose products with
  * each other overflow F32 while every partial sum with an ordinary row stays
- * far from FLT_MAX: where the CPU's double rule says +Inf, an F32
+ * far from FLT_MAX (and whose scale products stay finite in F32, gemm.h's
+ * range condition): where the CPU's double rule says +Inf, an F32
  * accumulation must say +Inf too, and nowhere else may a number become
  * non-finite or the other way round. tests/test_nonfinite_policy_every_op.c
  * checks the CPU itself against the policy, op by op. */
