@@ -61,6 +61,7 @@ int main(void)
         GT_CUDA(cudaMalloc(&dc[k], (size_t)fm_tensor_nbytes(&cw[k])));
         GT_CUDA(cudaMalloc(&dcs[k], (size_t)fm_tensor_scale_nbytes(&cw[k])));
         GT_CUDA(cudaMalloc(&dam[k], 16));
+        GT_CUDA(cudaMemset(dam[k], 0, 16)); /* bytes 4..8 sit between amax and the count; nobody writes them */
         r[k].data = dr[k];
         r[k].scale = drs[k];
         cw[k].data = dc[k];
