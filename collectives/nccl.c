@@ -110,6 +110,28 @@ static fm_status cuda_status(nccl_comm *c, fm_context *ctx, cudaError_t e, const
                     c->base.rank, (int)e, cudaGetErrorName(e), cudaGetErrorString(e));
 }
 
+/* The entry of every primitive that talks to the device: mu held and the
+ * communicator's device current; an error when the group is broken or the
+ * device cannot be made current. The caller ends with leave() whatever
+ * this returns. */
+static fm_status enter(nccl_comm *c, fm_context *ctx, dev_guard *g)
+{
+    pthread_mutex_lock(&c->mu);
+    cudaError_t e = dev_enter(c, g);
+    if (c->broken)
+        return gone(c, ctx);
+    if (e != cudaSuccess)
+        return cuda_status(c, ctx, e, "cudaSetDevice");
+    return FM_OK;
+}
+
+static void leave(nccl_comm *c, const dev_guard *g)
+{
+    dev_leave(g);
+    pthread_mutex_unlock(&c->mu);
+}
+
+
 /* Waits for `ev` without holding mu; between polls, NCCL's asynchronous
  * error and the broken flag (fm_comm_abort from another thread). */
 static fm_status wait_event(nccl_comm *c, fm_context *ctx, cudaEvent_t ev, const char *what)
@@ -176,13 +198,8 @@ static fm_status nccl_alltoall(fm_comm *base, fm_context *ctx, const void *send,
     if (st)
         return st;
     dev_guard g;
-    pthread_mutex_lock(&c->mu);
-    cudaError_t e = dev_enter(c, &g);
-    if (c->broken)
-        st = gone(c, ctx);
-    else if (e != cudaSuccess)
-        st = cuda_status(c, ctx, e, "cudaSetDevice");
-    else
+    st = enter(c, ctx, &g);
+    if (!st)
         st = header_room(c, ctx, total);
     if (!st) {
         memcpy(c->hhost, send, total);
@@ -208,8 +225,7 @@ static fm_status nccl_alltoall(fm_comm *base, fm_context *ctx, const void *send,
                          "cudaMemcpyAsync of the headers");
     if (!st)
         st = cuda_status(c, ctx, cudaEventRecord(c->ev, c->hs), "cudaEventRecord");
-    dev_leave(&g);
-    pthread_mutex_unlock(&c->mu);
+    leave(c, &g);
     if (!st)
         st = wait_event(c, ctx, c->ev, "the header exchange");
     if (!st)
@@ -222,12 +238,7 @@ static fm_status nccl_agree(fm_comm *base, fm_context *ctx, int ok, int *all_ok)
     nccl_comm *c = (nccl_comm *)base;
     dev_guard g;
     fm_status st = FM_OK;
-    pthread_mutex_lock(&c->mu);
-    cudaError_t e = dev_enter(c, &g);
-    if (c->broken)
-        st = gone(c, ctx);
-    else if (e != cudaSuccess)
-        st = cuda_status(c, ctx, e, "cudaSetDevice");
+    st = enter(c, ctx, &g);
     int32_t *hv = (int32_t *)c->hhost, *dv = (int32_t *)c->hdev;
     if (!st) {
         hv[0] = ok != 0;
@@ -239,8 +250,7 @@ static fm_status nccl_agree(fm_comm *base, fm_context *ctx, int ok, int *all_ok)
         st = cuda_status(c, ctx, cudaMemcpyAsync(hv + 1, dv, 4, cudaMemcpyDeviceToHost, c->hs), "cudaMemcpyAsync");
     if (!st)
         st = cuda_status(c, ctx, cudaEventRecord(c->ev, c->hs), "cudaEventRecord");
-    dev_leave(&g);
-    pthread_mutex_unlock(&c->mu);
+    leave(c, &g);
     if (!st)
         st = wait_event(c, ctx, c->ev, "agreeing on the verdict");
     if (!st)
@@ -256,12 +266,7 @@ static fm_status nccl_alltoallv(fm_comm *base, fm_context *ctx, int nseg, const 
     cudaStream_t s = (cudaStream_t)ctx->stream;
     dev_guard g;
     fm_status st = FM_OK;
-    pthread_mutex_lock(&c->mu);
-    cudaError_t e = dev_enter(c, &g);
-    if (c->broken)
-        st = gone(c, ctx);
-    else if (e != cudaSuccess)
-        st = cuda_status(c, ctx, e, "cudaSetDevice");
+    st = enter(c, ctx, &g);
     for (int q = 0; q < nseg && !st; q++)
         if (!segs[q].recv && segs[q].row_bytes > 0 && recv_off[n] > 0) {
             c->broken = 1;
@@ -289,8 +294,7 @@ static fm_status nccl_alltoallv(fm_comm *base, fm_context *ctx, int nseg, const 
             }
         st = group_end(c, ctx, r, call);
     }
-    dev_leave(&g);
-    pthread_mutex_unlock(&c->mu);
+    leave(c, &g);
     return st;
 }
 
@@ -308,17 +312,10 @@ static fm_status nccl_sync(fm_comm *base, fm_context *ctx)
 {
     nccl_comm *c = (nccl_comm *)base;
     dev_guard g;
-    fm_status st;
-    pthread_mutex_lock(&c->mu);
-    cudaError_t e = dev_enter(c, &g);
-    if (c->broken)
-        st = gone(c, ctx);
-    else if (e != cudaSuccess)
-        st = cuda_status(c, ctx, e, "cudaSetDevice");
-    else
+    fm_status st = enter(c, ctx, &g);
+    if (!st)
         st = cuda_status(c, ctx, cudaEventRecord(c->ev, (cudaStream_t)ctx->stream), "cudaEventRecord");
-    dev_leave(&g);
-    pthread_mutex_unlock(&c->mu);
+    leave(c, &g);
     if (!st)
         st = wait_event(c, ctx, c->ev, "waiting for the context's stream");
     if (!st)
@@ -377,8 +374,7 @@ static void nccl_done(fm_comm *base, fm_context *ctx)
         cudaGetLastError();
         c->broken = 1;
     }
-    dev_leave(&g);
-    pthread_mutex_unlock(&c->mu);
+    leave(c, &g);
 }
 
 static void nccl_fail(fm_comm *base)

@@ -66,6 +66,19 @@ __global__ void perm_hist_kernel(const int32_t *__restrict__ ids, int64_t n, int
     }
 }
 
+/* Inclusive sum over the lanes 0..lane of the warp (every lane calls). */
+template <typename T>
+FM_DI T perm_warp_scan(T x, int lane)
+{
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const T y = __shfl_up_sync(0xFFFFFFFFu, x, o);
+        if (lane >= o)
+            x += y;
+    }
+    return x;
+}
+
 /* cnt_off: counts in, offsets out; padbeg: each expert's first padding row;
  * hist: per-chunk counts in, each chunk's first row per expert out. The
  * padded sizes are scanned by the whole block, 1024 experts at a time. */
@@ -81,13 +94,7 @@ __global__ void perm_offsets_kernel(unsigned long long *cnt_off, int64_t *padbeg
     for (int e0 = 0; e0 < E; e0 += blockDim.x) {
         const int e = e0 + tid;
         const int64_t c = e < E ? (int64_t)cnt_off[e] : 0, P = fm_round_up(c, pad);
-        int64_t x = P;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int64_t y = __shfl_up_sync(0xFFFFFFFFu, x, o);
-            if (lane >= o)
-                x += y;
-        }
+        const int64_t x = perm_warp_scan(P, lane);
         if (lane == 31)
             wsum[w] = x;
         __syncthreads();
@@ -120,13 +127,7 @@ __global__ void perm_offsets_kernel(unsigned long long *cnt_off, int64_t *padbeg
         for (int64_t c0 = 0; c0 < nchunk; c0 += 32) {
             const int64_t c = c0 + lane;
             const uint32_t v = c < nchunk ? hist[c * E + e] : 0;
-            uint32_t x = v;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const uint32_t y = __shfl_up_sync(0xFFFFFFFFu, x, o);
-                if (lane >= o)
-                    x += y;
-            }
+            const uint32_t x = perm_warp_scan(v, lane);
             if (c < nchunk)
                 hist[c * E + e] = base + x - v;
             base += __shfl_sync(0xFFFFFFFFu, x, 31);
