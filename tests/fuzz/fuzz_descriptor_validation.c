@@ -26,6 +26,7 @@
 
 #include "flowmoe/flowmoe.h"
 #include "fuzz_common.h"
+#include "fuzz_cpu_context.h"
 
 #pragma weak fm_transpose_scaled_grouped
 #pragma weak fm_gemm
@@ -396,9 +397,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
 {
     (void)argc;
     (void)argv;
-    fm_context_config cfg = {.backend = FM_BACKEND_CPU, .cpu_threads = 1};
-    if (fm_context_create(&cfg, &g_ctx) != FM_OK)
-        abort();
+    g_ctx = fz_cpu_context();
     g_trace = getenv("FM_FUZZ_TRACE") != NULL;
     return 0;
 }

@@ -19,6 +19,7 @@
 
 #include "flowmoe/flowmoe.h"
 #include "fuzz_common.h"
+#include "fuzz_cpu_context.h"
 
 static fm_context *g_ctx;
 
@@ -26,9 +27,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
 {
     (void)argc;
     (void)argv;
-    fm_context_config cfg = {.backend = FM_BACKEND_CPU, .cpu_threads = 1};
-    if (fm_context_create(&cfg, &g_ctx) != FM_OK)
-        abort();
+    g_ctx = fz_cpu_context();
     return 0;
 }
 
