@@ -86,6 +86,24 @@ int main(void)
                     }
                 }
             }
+    /* SwiGLU over rows of no columns (I = 0): nothing to compute, but
+     * dprobs is the dot of nothing, +0 (fuzz_descriptor_validation found the
+     * CPU forming NULL + 0 here). */
+    for (int q = 0; q < 2; q++) {
+        fm_tensor in = fm_tensor_2d(NULL, FM_DTYPE_F32, 3, 0), dh = in, din = in;
+        fm_tensor h = q ? q2(FM_DTYPE_E4M3, 3, 0, FM_LAYOUT_ROWWISE, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT) : in;
+        float p[3] = {0.5f, 1.0f, 2.0f}, dp[3] = {-1.0f, -1.0f, -1.0f};
+        fm_tensor tp = fm_tensor_2d(p, FM_DTYPE_F32, 3, 1), tdp = fm_tensor_2d(dp, FM_DTYPE_F32, 3, 1);
+        fm_status st = fm_moe_swiglu(ctx, NULL, &in, &tp, &h, NULL, NULL);
+        CHECK(st == FM_OK, "fm_moe_swiglu [3, 0] -> %s: %s \"%s\"", q ? "E4M3" : "F32", fm_status_name(st),
+              fm_last_error(ctx));
+        if (q)
+            din = q2(FM_DTYPE_E4M3, 3, 0, FM_LAYOUT_ROWWISE, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT);
+        st = fm_moe_swiglu_backward(ctx, NULL, &dh, &in, &tp, &din, NULL, &tdp);
+        CHECK(st == FM_OK, "fm_moe_swiglu_backward [3, 0]: %s \"%s\"", fm_status_name(st), fm_last_error(ctx));
+        for (int i = 0; i < 3; i++)
+            CHECK_EQ_U(tu_f32_bits(dp[i]), 0u, "fm_moe_swiglu_backward [3, 0]: dprobs[%d]", i);
+    }
     fm_context_destroy(ctx);
     return tu_end();
 }

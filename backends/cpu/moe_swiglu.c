@@ -13,6 +13,8 @@
 static void decode_row(const fm_tensor *t, int64_t r, float *dst)
 {
     int64_t C = t->shape[1];
+    if (C == 0)
+        return; /* an empty row's data may be NULL: no pointer from it, not even NULL + 0 */
     if (t->scale_mode == FM_SCALE_NONE) {
         fm_cpu_load_row(t->data, t->dtype, r * C, C, dst);
         return;
