@@ -103,7 +103,14 @@ static fm_status run(fm_context *ctx, const fm_quant_config *cfg, const fm_tenso
                       dh ? "fm_moe_swiglu_backward" : "fm_moe_swiglu", (long long)M, (long long)C);
     if (!st) {
         act_job jb = {in, dh, probs, h, dprobs ? dprobs->data : NULL, I, scratch};
-        fm_cpu_parallel_for(ctx, M, 16, dh ? bwd_rows : fwd_rows, &jb);
+        if (I > 0) {
+            fm_cpu_parallel_for(ctx, M, 16, dh ? bwd_rows : fwd_rows, &jb);
+        } else if (jb.dprobs) {
+            /* Rows of no columns (their count is not bounded by any buffer):
+             * only dprobs, the dot of nothing, +0. */
+            for (int64_t m = 0; m < M; m++)
+                jb.dprobs[m] = 0.0f;
+        }
         st = emit(ctx, cfg, h, M, C, row, col);
     }
     free(h);
