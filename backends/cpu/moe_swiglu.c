@@ -13,8 +13,6 @@
 static void decode_row(const fm_tensor *t, int64_t r, float *dst)
 {
     int64_t C = t->shape[1];
-    if (C == 0)
-        return; /* an empty row's data may be NULL: no pointer from it, not even NULL + 0 */
     if (t->scale_mode == FM_SCALE_NONE) {
         fm_cpu_load_row(t->data, t->dtype, r * C, C, dst);
         return;
@@ -106,8 +104,9 @@ static fm_status run(fm_context *ctx, const fm_quant_config *cfg, const fm_tenso
         if (I > 0) {
             fm_cpu_parallel_for(ctx, M, 16, dh ? bwd_rows : fwd_rows, &jb);
         } else if (jb.dprobs) {
-            /* Rows of no columns (their count is not bounded by any buffer):
-             * only dprobs, the dot of nothing, +0. */
+            /* Rows of no columns: their count is bounded by no buffer and
+             * their data may be NULL (no pointer from it, not even NULL + 0);
+             * only dprobs has a value, the dot of nothing, +0. */
             for (int64_t m = 0; m < M; m++)
                 jb.dprobs[m] = 0.0f;
         }
