@@ -5,13 +5,8 @@
 # runs the GPU suite's EP test and the EP rows of fm-bench. Logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu-ep-out}
-mkdir -p "$OUT"
-export PATH=/usr/local/cuda/bin:$PATH NCCL_NVLS_ENABLE=0
-B=${B:-build-gpu}
-s=$OUT/summary.txt
-: >"$s"
-t() { local lim=$1 log=$2; shift 2; local t0=$SECONDS; timeout --kill-after=5 "$lim" "$@" >>"$OUT/$log" 2>&1; local rc=$?; echo "$* -> rc=$rc ($((SECONDS - t0)) s)" >>"$s"; return $rc; }
+export NCCL_NVLS_ENABLE=0
+. tools/gpu-common.sh gpu-ep-out
 root=
 if ! ls /usr/local/cuda/lib64/libnccl.so >/dev/null 2>&1; then
     pkg=$(python3 -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__) if nvidia.nccl.__file__ else list(nvidia.nccl.__path__)[0])' 2>/dev/null)
@@ -25,10 +20,8 @@ if ! ls /usr/local/cuda/lib64/libnccl.so >/dev/null 2>&1; then
     fi
 fi
 nvidia-smi --query-gpu=name --format=csv,noheader >>"$s"
-[ -f $B/build.ninja ] || t 120 build.log meson setup $B -Dcuda=enabled -Dnccl=enabled -Doracle_tests=false ${root:+-Dnccl_root=$root}
-grep -E "NCCL" "$OUT/build.log" | tail -1 >>"$s"
-t 400 build.log ninja -C $B -j "$(nproc)" || { tail -40 "$OUT/build.log"; exit 1; }
-grep -c "warning" "$OUT/build.log" | sed 's/^/build warnings: /' >>"$s"
+gpu_build -Dnccl=enabled ${root:+-Dnccl_root=$root}
+grep -E "NCCL *:" "$OUT/build.log" | tail -1 >>"$s"
 t 300 ep.log $B/tests/gpu/test_cuda_ep_nccl_equals_inproc
 tail -3 "$OUT/ep.log" >>"$s"
 t 300 bench-ep.log $B/tools/fm-bench --ep-only

@@ -4,16 +4,8 @@
 # under $OUT; one summary at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu-moe-out}
-mkdir -p "$OUT"
-export PATH=/usr/local/cuda/bin:$PATH
-B=build-gpu
-s=$OUT/summary.txt
-: >"$s"
-t() { local lim=$1 log=$2; shift 2; local t0=$SECONDS; timeout --kill-after=5 "$lim" "$@" >>"$OUT/$log" 2>&1; local rc=$?; echo "$* -> rc=$rc ($((SECONDS - t0)) s)" >>"$s"; return $rc; }
-[ -f $B/build.ninja ] || t 120 build.log meson setup $B -Dcuda=enabled -Doracle_tests=false
-t 400 build.log ninja -C $B -j "$(nproc)" || { tail -40 "$OUT/build.log"; exit 1; }
-grep -c "warning" "$OUT/build.log" | sed 's/^/build warnings: /' >>"$s"
+. tools/gpu-common.sh gpu-moe-out
+gpu_build
 t 200 tests.log meson test -C $B --num-processes 1 --print-errorlogs test_cuda_moe_ops_bitexact_with_cpu \
     test_cuda_mathfn_equals_host test_cuda_layer_matches_cpu
 grep -E "^ *[0-9]+/[0-9]+ " "$OUT/tests.log" >>"$s"

@@ -11,17 +11,9 @@
 #                    run, never dropped silently
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu-quick-out}
-mkdir -p "$OUT"
-export PATH=/usr/local/cuda/bin:$PATH
-B=build-gpu
-s=$OUT/summary.txt
-: >"$s"
-t() { local lim=$1 log=$2; shift 2; local t0=$SECONDS; timeout --kill-after=5 "$lim" "$@" >>"$OUT/$log" 2>&1; local rc=$?; echo "$* -> rc=$rc ($((SECONDS - t0)) s)" >>"$s"; return $rc; }
+. tools/gpu-common.sh gpu-quick-out
 nvidia-smi --query-gpu=name --format=csv,noheader >>"$s"
-[ -f $B/build.ninja ] || t 120 build.log meson setup $B -Dcuda=enabled -Doracle_tests=false
-t 400 build.log ninja -C $B -j "$(nproc)" || { tail -40 "$OUT/build.log"; exit 1; }
-grep -c "warning" "$OUT/build.log" | sed 's/^/build warnings: /' >>"$s"
+gpu_build
 steps=" ${FM_QUICK_STEPS:-tests xval train sanitizers} "
 if [[ $steps == *" tests "* ]]; then
   names=$(meson test -C $B --suite gpu --list 2>/dev/null | awk -F: '{print $NF}' | grep -v '^fm-xval$')
