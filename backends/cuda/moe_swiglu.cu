@@ -288,17 +288,18 @@ __global__ void swiglu_bwd_kernel(fm_moe_rows dh, fm_moe_rows in, const float *p
 
 __global__ void swiglu_dprobs_kernel(fm_moe_rows dh, fm_moe_rows in, int64_t M, int64_t I, float *dp)
 {
-    int64_t m = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
-    if (m >= M)
-        return;
-    float acc = 0.0f;
-    for (int64_t i = lane; i < I; i += 32)
-        acc = fmaf(fm_moe_rows_get(dh, m, i), fm_siluf(fm_moe_rows_get(in, m, i)) * fm_moe_rows_get(in, m, I + i),
-                   acc);
-    float v = fm_warp_tree(acc);
-    if (lane == 0)
-        dp[m] = v;
+    /* A warp per row, striding: the grid is capped, M is not. */
+    for (int64_t m = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5; m < M;
+         m += ((int64_t)gridDim.x * blockDim.x) >> 5) {
+        float acc = 0.0f;
+        for (int64_t i = lane; i < I; i += 32)
+            acc = fmaf(fm_moe_rows_get(dh, m, i),
+                       fm_siluf(fm_moe_rows_get(in, m, i)) * fm_moe_rows_get(in, m, I + i), acc);
+        float v = fm_warp_tree(acc);
+        if (lane == 0)
+            dp[m] = v; /* rows of no columns: +0, as on the CPU */
+    }
 }
 
 static unsigned grid_for(int64_t n)
@@ -330,9 +331,11 @@ static fm_status run(fm_context *ctx, const fm_quant_config *cfg, const fm_tenso
             swiglu_bwd_kernel<<<grid_for(M * I), 256, 0, s>>>(fm_moe_rows_of(dh), fm_moe_rows_of(in), p, M, I, h, hdt);
         else
             swiglu_fwd_kernel<<<grid_for(M * I), 256, 0, s>>>(fm_moe_rows_of(in), p, M, I, h, hdt);
-        if (dprobs)
-            swiglu_dprobs_kernel<<<grid_for(M * 32), 256, 0, s>>>(fm_moe_rows_of(dh), fm_moe_rows_of(in), M, I,
-                                                                   (float *)dprobs->data);
+        err = cudaGetLastError();
+    }
+    if (err == cudaSuccess && dprobs && M > 0) {
+        swiglu_dprobs_kernel<<<grid_for(M * 32), 256, 0, s>>>(fm_moe_rows_of(dh), fm_moe_rows_of(in), M, I,
+                                                               (float *)dprobs->data);
         err = cudaGetLastError();
     }
     if (err == cudaSuccess && quant) {
