@@ -28,6 +28,9 @@ static fm_status check_cfg(fm_context *ctx, const fm_gemm_config *cfg, const fm_
 {
     if (cfg->accumulate != 0 && cfg->accumulate != 1)
         return fm_error(ctx, FM_ERR_INVALID_ARG, "cfg->accumulate: must be 0 or 1, got %d", cfg->accumulate);
+    if ((int)cfg->impl < 0 || cfg->impl >= FM_GEMM_IMPL_COUNT)
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "cfg->impl: must be AUTO, LIBRARY or NATIVE (0..2), got %d",
+                        (int)cfg->impl);
     if (cfg->accumulate && d->dtype != FM_DTYPE_F32)
         return fm_error(ctx, FM_ERR_INVALID_ARG,
                         "%s: cfg->accumulate adds into the output, which must then be F32 (main-grad); got %s", dn,
@@ -284,7 +287,22 @@ fm_status fm_grouped_gemm(fm_context *ctx, const fm_gemm_config *cfg_in, const f
                  (long long)rows_of(a), (long long)rows_of(b));
         return shape_error(ctx, "d", want, d);
     }
-    if ((st = fm_check_splits(ctx, splits, rows_of(a), "a", b->shape[0], "b", "fm_grouped_gemm")))
+    /* Device-only split sizes (host NULL) spare the caller a device-to-host
+     * copy: the native CUDA kernel reads them where they are. What cannot be
+     * checked on the host, the kernel makes harmless: it clamps every size
+     * and never writes past d's rows. */
+    int device_only = splits && !splits->host && splits->device;
+    if (device_only) {
+        if (ctx->kind != FM_BACKEND_CUDA)
+            return fm_error(ctx, FM_ERR_INVALID_ARG,
+                            "splits->host: NULL; the %s backend needs the group sizes in host memory", ctx->be->name);
+        if (splits->groups != b->shape[0])
+            return fm_error(ctx, FM_ERR_INVALID_ARG, "splits->groups: %lld, but b has %lld experts",
+                            (long long)splits->groups, (long long)b->shape[0]);
+        if ((uintptr_t)splits->device % sizeof(int64_t))
+            return fm_error(ctx, FM_ERR_INVALID_ARG, "splits->device: %p is not 8-byte aligned",
+                            (const void *)splits->device);
+    } else if ((st = fm_check_splits(ctx, splits, rows_of(a), "a", b->shape[0], "b", "fm_grouped_gemm")))
         return st;
     if ((st = check_cfg(ctx, &cfg, d, "d")))
         return st;

@@ -907,7 +907,7 @@ static void wl_gemm_ops(wl_run *r)
             fm_tensor a = wl_in(r, &in->ga[p]), b = wl_in(r, &in->gb[p]);
             fm_tensor d = v == 1 ? wl_acc(r, &in->gd0, wl_plain(FM_DTYPE_F32, in->GM, in->GN))
                                  : wl_out(r, wl_plain(odt, in->GM, in->GN), 0);
-            fm_gemm_config gc = {v == 1};
+            fm_gemm_config gc = {.accumulate = v == 1};
             fm_status st;
             if (v == 2 && pr->ma == FM_SCALE_NONE) {
                 /* the same logical operands stored the other way: a transposed copy made by fm_cast */
@@ -951,7 +951,7 @@ static void wl_gemm_ops(wl_run *r)
         fm_tensor y = wl_out(r, wl_plain(FM_DTYPE_BF16, in->LT, in->LOUT), 0);
         fm_tensor dx = wl_out(r, wl_plain(FM_DTYPE_F32, in->LT, in->LIN), 0);
         fm_tensor dw = wl_acc(r, &in->lg0, wl_plain(FM_DTYPE_F32, in->LOUT, in->LIN));
-        fm_gemm_config acc = {1};
+        fm_gemm_config acc = {.accumulate = 1};
         if (wl_ok(r, wl_fmt(cs, sizeof cs, "linear_forward %s", kind), fm_linear_forward(ctx, NULL, &x, &w, &y)))
             wl_keep_gemm(r, cs, &y);
         if (wl_ok(r, wl_fmt(cs, sizeof cs, "linear_dgrad %s", kind), fm_linear_dgrad(ctx, NULL, &dy, &wc, &dx)))
@@ -978,7 +978,7 @@ static void wl_gemm_ops(wl_run *r)
         fm_tensor dy = wl_in(r, g ? &in->wyb : &in->wy8), x = wl_in(r, g ? &in->wxb : &in->wx8);
         fm_tensor shape = fm_tensor_3d(NULL, g ? FM_DTYPE_BF16 : FM_DTYPE_F32, in->nsp, in->SN, in->SK);
         fm_tensor dw = g ? wl_out(r, shape, 0) : wl_acc(r, &in->wg0, shape);
-        fm_gemm_config gc = {!g};
+        fm_gemm_config gc = {.accumulate = !g};
         if (wl_ok(r, cs, fm_grouped_gemm_wgrad(ctx, &gc, &sp, &dy, &x, &dw)))
             wl_keep_gemm(r, cs, &dw);
     }

@@ -135,6 +135,8 @@ int main(void)
     CASE(OP_GEMM, (c.a = fm_tensor_2d(c.a.data, FM_DTYPE_BF16, 64, 256), c.b = fm_tensor_2d(c.b.data, FM_DTYPE_BF16, 32, 256), c.b.scale_mode = FM_SCALE_TENSOR, c.b.scale = arena), "b: BF16 operands of a GEMM are unscaled");
     CASE(OP_GEMM, (c.cfg.accumulate = 1, c.d.dtype = FM_DTYPE_BF16), "d: cfg->accumulate adds into the output, which must then be F32");
     CASE(OP_GEMM, (c.cfg.accumulate = 2), "cfg->accumulate: must be 0 or 1");
+    CASE(OP_GEMM, (c.cfg.impl = (fm_gemm_impl)3), "cfg->impl: must be AUTO, LIBRARY or NATIVE (0..2), got 3");
+    CASE(OP_GROUPED, (c.cfg.impl = (fm_gemm_impl)-1), "cfg->impl: must be AUTO, LIBRARY or NATIVE");
     /* Found by fuzz_descriptor_validation: a scale_dtype that does not fit the
      * mode once made the scale size unknown and slipped past scale_capacity. */
     CASE(OP_WGRAD, (c.b.scale_dtype = FM_DTYPE_I32, c.b.scale_capacity = 64), "x: scale_mode BLOCK_1x128 needs scale_dtype F32");
@@ -144,6 +146,8 @@ int main(void)
     CASE(OP_GEMM, (c.d.data = (uint8_t *)c.b.scale), "overlap");
     CASE(OP_GEMM, (c.a.ndim = 3), "a: must be 2-D");
     CASE(OP_GROUPED, (c.sp.host = NULL), "splits->host: NULL");
+    /* device-only split sizes are a CUDA-backend form */
+    CASE(OP_GROUPED, (c.sp.host = NULL, c.sp.device = c.splits), "splits->host: NULL; the cpu backend needs the group sizes in host memory");
     CASE(OP_GROUPED, (c.splits[1] = 1), "splits->host: the sizes sum past a's 64 rows");
     CASE(OP_GROUPED, (c.splits[2] = 40), "splits->host: the sizes sum to 60 but a has 64 rows");
     CASE(OP_GROUPED, (c.splits[1] = -1, c.splits[2] = 45), "splits->host[1]: -1 rows");

@@ -778,7 +778,7 @@ static void dense_policy(fm_context *ctx)
                 uint32_t *old = malloc(sizeof(uint32_t) * (size_t)(M * N));
                 memcpy(old, d, acc ? sizeof(uint32_t) * (size_t)(M * N) : 0);
                 fm_tensor dt = fm_tensor_2d(d, odt, M, N);
-                fm_gemm_config cfg = {acc};
+                fm_gemm_config cfg = {.accumulate = acc};
                 fm_status st = fm_gemm(ctx, &cfg, &A.t, &B.t, &dt);
                 CHECK(st == FM_OK, "%s: %s", what, fm_last_error(ctx));
                 if (st == FM_OK) {
@@ -852,7 +852,7 @@ static void linear_policy(fm_context *ctx)
             uint32_t *old = malloc(sizeof(uint32_t) * (size_t)(OUT * IN));
             memcpy(old, dw, sizeof(uint32_t) * (size_t)(OUT * IN));
             fm_tensor tdw = fm_tensor_2d(dw, FM_DTYPE_F32, OUT, IN), dyc = fm_tensor_t(&DYT.t), xc = fm_tensor_t(&XT.t);
-            fm_gemm_config cfg = {!huge};
+            fm_gemm_config cfg = {.accumulate = !huge};
             snprintf(what, sizeof what, "linear_wgrad %s%s, %s inputs", kind, huge ? "" : " accumulate",
                      huge ? "overflow-sized" : "NaN/Inf");
             st = fm_linear_wgrad(ctx, &cfg, &dyc, &xc, &tdw);
@@ -953,7 +953,7 @@ static void grouped_policy(fm_context *ctx)
             uint32_t *old = malloc(sizeof(uint32_t) * (size_t)(E * N * Kx));
             memcpy(old, dw, sizeof(uint32_t) * (size_t)(E * N * Kx));
             fm_tensor tdw = fm_tensor_3d(dw, FM_DTYPE_F32, E, N, Kx);
-            fm_gemm_config cfg = {acc};
+            fm_gemm_config cfg = {.accumulate = acc};
             snprintf(what, sizeof what, "grouped_gemm_wgrad %s%s, %s inputs", fm_dtype_name(dt),
                      acc ? " accumulate" : "", huge ? "overflow-sized" : "NaN/Inf");
             fm_status st = fm_grouped_gemm_wgrad(ctx, &cfg, &s, &ty, &tx, &tdw);

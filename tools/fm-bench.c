@@ -285,16 +285,26 @@ typedef struct gcase {
     fm_scale_mode ma, mb;
     fm_dtype out;
     int accumulate;
+    fm_gemm_impl impl; /* FP8: the native sm_90a kernel or cuBLASLt (the comparison the GEMM issues ask for) */
 } gcase;
 
 static const gcase gcases[] = {
-    {"gemm E4M3 1x128 x 128x128 -> BF16", G_DENSE, 1, 8192, 8192, 8192, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_BF16, 0},
-    {"gemm BF16 -> BF16", G_DENSE, 1, 8192, 8192, 8192, FM_DTYPE_BF16, FM_SCALE_NONE, FM_SCALE_NONE, FM_DTYPE_BF16, 0},
-    {"plain cuBLASLt BF16 -> BF16 (baseline, not flowmoe)", G_LT_BF16, 1, 8192, 8192, 8192, FM_DTYPE_BF16, FM_SCALE_NONE, FM_SCALE_NONE, FM_DTYPE_BF16, 0},
-    {"grouped_gemm E4M3 1x128 x 128x128 -> BF16, E=8", G_GROUPED, 8, 32768, 4096, 7168, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_BF16, 0},
-    {"grouped_gemm BF16 -> BF16, E=8", G_GROUPED, 8, 32768, 4096, 7168, FM_DTYPE_BF16, FM_SCALE_NONE, FM_SCALE_NONE, FM_DTYPE_BF16, 0},
-    {"grouped_gemm_wgrad E4M3 1x128 x 1x128 -> F32 +=, E=8", G_WGRAD, 8, 32768, 4096, 7168, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_1x128, FM_DTYPE_F32, 1},
-    {"grouped_gemm_wgrad BF16 -> F32 +=, E=8", G_WGRAD, 8, 32768, 4096, 7168, FM_DTYPE_BF16, FM_SCALE_NONE, FM_SCALE_NONE, FM_DTYPE_F32, 1},
+    {"gemm E4M3 1x128 x 128x128 -> BF16 [native sm90]", G_DENSE, 1, 8192, 8192, 8192, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_BF16, 0, FM_GEMM_IMPL_NATIVE},
+    {"gemm E4M3 1x128 x 128x128 -> BF16 [cuBLASLt]", G_DENSE, 1, 8192, 8192, 8192, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_BF16, 0, FM_GEMM_IMPL_LIBRARY},
+    {"gemm BF16 -> BF16", G_DENSE, 1, 8192, 8192, 8192, FM_DTYPE_BF16, FM_SCALE_NONE, FM_SCALE_NONE, FM_DTYPE_BF16, 0, FM_GEMM_IMPL_AUTO},
+    {"plain cuBLASLt BF16 -> BF16 (baseline, not flowmoe)", G_LT_BF16, 1, 8192, 8192, 8192, FM_DTYPE_BF16, FM_SCALE_NONE, FM_SCALE_NONE, FM_DTYPE_BF16, 0, FM_GEMM_IMPL_AUTO},
+    {"grouped_gemm E4M3 1x128 x 128x128 -> BF16, E=8 [native sm90]", G_GROUPED, 8, 32768, 4096, 7168, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_BF16, 0, FM_GEMM_IMPL_NATIVE},
+    {"grouped_gemm E4M3 1x128 x 128x128 -> BF16, E=8 [cuBLASLt]", G_GROUPED, 8, 32768, 4096, 7168, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_BF16, 0, FM_GEMM_IMPL_LIBRARY},
+    {"grouped_gemm E4M3 1x128 x 128x128 -> F32 +=, E=8 [native sm90]", G_GROUPED, 8, 32768, 4096, 7168, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_F32, 1, FM_GEMM_IMPL_NATIVE},
+    {"grouped_gemm E4M3 1x128 x 128x128 -> BF16, E=32 of 1024 rows [native sm90]", G_GROUPED, 32, 32768, 4096, 7168, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_BF16, 0, FM_GEMM_IMPL_NATIVE},
+    {"grouped_gemm E4M3 1x128 x 128x128 -> BF16, E=32 of 1024 rows [cuBLASLt]", G_GROUPED, 32, 32768, 4096, 7168, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_BF16, 0, FM_GEMM_IMPL_LIBRARY},
+    {"grouped_gemm E4M3 1x128 x 128x128 -> BF16, E=64 of 512 rows [native sm90]", G_GROUPED, 64, 32768, 4096, 7168, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_BF16, 0, FM_GEMM_IMPL_NATIVE},
+    {"grouped_gemm E4M3 1x128 x 128x128 -> BF16, E=64 of 512 rows [cuBLASLt]", G_GROUPED, 64, 32768, 4096, 7168, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_BF16, 0, FM_GEMM_IMPL_LIBRARY},
+    {"grouped_gemm E4M3 1x128 x 128x128 -> BF16, E=64 of 256 rows, N 2048 [native sm90]", G_GROUPED, 64, 16384, 2048, 7168, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_BF16, 0, FM_GEMM_IMPL_NATIVE},
+    {"grouped_gemm E4M3 1x128 x 128x128 -> BF16, E=64 of 256 rows, N 2048 [cuBLASLt]", G_GROUPED, 64, 16384, 2048, 7168, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_BF16, 0, FM_GEMM_IMPL_LIBRARY},
+    {"grouped_gemm BF16 -> BF16, E=8", G_GROUPED, 8, 32768, 4096, 7168, FM_DTYPE_BF16, FM_SCALE_NONE, FM_SCALE_NONE, FM_DTYPE_BF16, 0, FM_GEMM_IMPL_AUTO},
+    {"grouped_gemm_wgrad E4M3 1x128 x 1x128 -> F32 +=, E=8", G_WGRAD, 8, 32768, 4096, 7168, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_1x128, FM_DTYPE_F32, 1, FM_GEMM_IMPL_AUTO},
+    {"grouped_gemm_wgrad BF16 -> F32 +=, E=8", G_WGRAD, 8, 32768, 4096, 7168, FM_DTYPE_BF16, FM_SCALE_NONE, FM_SCALE_NONE, FM_DTYPE_F32, 1, FM_GEMM_IMPL_AUTO},
 };
 #define NGCASES (int)(sizeof gcases / sizeof gcases[0])
 
@@ -354,7 +364,7 @@ typedef struct {
     const gcase *c;
     fm_tensor a, b, d;
     fm_splits sp;
-    int64_t splits[16];
+    int64_t splits[256];
     /* plain cuBLASLt */
     cublasLtHandle_t lt;
     cublasLtMatmulDesc_t desc;
@@ -370,7 +380,7 @@ static void grun_fn(void *p, int rep)
 {
     grun *g = p;
     (void)rep;
-    fm_gemm_config cfg = {.accumulate = g->c->accumulate};
+    fm_gemm_config cfg = {.accumulate = g->c->accumulate, .impl = g->c->impl};
     fm_status st = FM_OK;
     if (g->c->kind == G_DENSE)
         st = fm_gemm(g->ctx, &cfg, &g->a, &g->b, &g->d);

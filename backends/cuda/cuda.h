@@ -58,6 +58,12 @@ fm_status fm_cuda_gemm(fm_context *ctx, const fm_gemm_config *cfg, const fm_tens
                        fm_tensor *d);
 fm_status fm_cuda_grouped_gemm(fm_context *ctx, const fm_gemm_config *cfg, const fm_splits *splits,
                                const fm_tensor *a, const fm_tensor *b, fm_tensor *d);
+/* The native sm_90a FP8 GEMM (grouped_gemm_sm90.cu): why it cannot run a
+ * product (NULL: it can), and the product itself (splits NULL: dense). */
+const char *fm_cuda_gemm_sm90_why_not(fm_context *ctx, const fm_splits *splits, const fm_tensor *a,
+                                      const fm_tensor *b, const fm_tensor *d);
+fm_status fm_cuda_gemm_sm90(fm_context *ctx, const fm_gemm_config *cfg, const fm_splits *splits, const fm_tensor *a,
+                            const fm_tensor *b, fm_tensor *d);
 fm_status fm_cuda_grouped_gemm_wgrad(fm_context *ctx, const fm_gemm_config *cfg, const fm_splits *splits,
                                      const fm_tensor *dy, const fm_tensor *x, fm_tensor *dw);
 /* Frees the GEMM plans and streams (context destroy). */

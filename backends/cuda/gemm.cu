@@ -12,7 +12,10 @@
  *
  * Grouped: one cuBLASLt call per non-empty expert, spread over side streams
  * forked from the context stream with an event and joined back with events,
- * each stream with its own part of the workspace. No host synchronisation. */
+ * each stream with its own part of the workspace. No host synchronisation.
+ *
+ * FP8 products the native sm_90a kernel takes (grouped_gemm_sm90.cu) go there
+ * unless cfg->impl says LIBRARY. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -415,9 +418,37 @@ static fm_status via_f32_finish(fm_context *ctx, fm_status st, fm_tensor *tmp, f
     return st ? st : st2;
 }
 
+/* AUTO takes the native kernel for m-grouped products whose experts average
+ * at most this many rows, or that come with device split sizes only; cuBLASLt
+ * otherwise. Measured on H100 in one fm-bench run (device run S4-14,
+ * notes/grouped_gemm_sm90.md, K 7168): 64 experts of 256 rows, native 2.2x
+ * cuBLASLt's per-expert calls; of 512 rows 0.92x; 32 of 1024 rows 0.82x; 8
+ * of 4096 rows 0.80x; dense 8192^3 0.81x. */
+#define NATIVE_AUTO_MAX_MEAN_ROWS 256
+
+/* Whether the native kernel runs this product (1) or cuBLASLt does (0);
+ * with cfg->impl NATIVE and a product it cannot take, *st gets the error. */
+static int pick_native(fm_context *ctx, const fm_gemm_config *cfg, const fm_splits *sp, const fm_tensor *a,
+                       const fm_tensor *b, const fm_tensor *d, const char *op, fm_status *st)
+{
+    *st = FM_OK;
+    if (cfg->impl == FM_GEMM_IMPL_LIBRARY)
+        return 0;
+    const char *why = fm_cuda_gemm_sm90_why_not(ctx, sp, a, b, d);
+    if (why && cfg->impl == FM_GEMM_IMPL_NATIVE)
+        *st = fm_error(ctx, FM_ERR_UNSUPPORTED, "%s: cfg->impl is NATIVE, and the native FP8 kernel %s", op, why);
+    if (why || cfg->impl == FM_GEMM_IMPL_NATIVE)
+        return !why;
+    return sp && (!sp->host || a->shape[0] <= NATIVE_AUTO_MAX_MEAN_ROWS * sp->groups);
+}
+
 extern "C" fm_status fm_cuda_gemm(fm_context *ctx, const fm_gemm_config *cfg, const fm_tensor *a, const fm_tensor *b,
                                   fm_tensor *d)
 {
+    fm_status nst;
+    int native = pick_native(ctx, cfg, NULL, a, b, d, "fm_gemm", &nst);
+    if (nst)
+        return nst;
     if (a->dtype == FM_DTYPE_F32 && d->dtype != FM_DTYPE_F32) {
         fm_tensor tmp;
         void *buf;
@@ -436,6 +467,11 @@ extern "C" fm_status fm_cuda_gemm(fm_context *ctx, const fm_gemm_config *cfg, co
     cudaStream_t s = fm_cuda_stream(ctx);
     if (K == 0) {
         st = cfg->accumulate ? FM_OK : zero_output(ctx, d->data, fm_tensor_nbytes(d), s);
+        fm_cuda_leave(ctx, &g, cudaSuccess, "fm_gemm");
+        return st;
+    }
+    if (native) {
+        st = fm_cuda_gemm_sm90(ctx, cfg, NULL, a, b, d);
         fm_cuda_leave(ctx, &g, cudaSuccess, "fm_gemm");
         return st;
     }
@@ -542,6 +578,18 @@ static fm_status run_grouped(fm_context *ctx, const expert_job *jobs, int64_t n,
 extern "C" fm_status fm_cuda_grouped_gemm(fm_context *ctx, const fm_gemm_config *cfg, const fm_splits *splits,
                                           const fm_tensor *a, const fm_tensor *b, fm_tensor *d)
 {
+    fm_status nst;
+    int native = pick_native(ctx, cfg, splits, a, b, d, "fm_grouped_gemm", &nst);
+    if (nst)
+        return nst;
+    if (!native && !splits->host) {
+        const char *why = cfg->impl == FM_GEMM_IMPL_LIBRARY ? "cfg->impl is LIBRARY"
+                                                            : fm_cuda_gemm_sm90_why_not(ctx, splits, a, b, d);
+        return fm_error(ctx, FM_ERR_INVALID_ARG,
+                        "splits->host: NULL; the cuBLASLt path sizes each expert's call on the host and needs it "
+                        "(the native kernel, which reads device sizes, does not apply: %s)",
+                        why);
+    }
     if (a->dtype == FM_DTYPE_F32 && d->dtype != FM_DTYPE_F32) {
         fm_tensor tmp;
         void *buf;
@@ -560,6 +608,11 @@ extern "C" fm_status fm_cuda_grouped_gemm(fm_context *ctx, const fm_gemm_config 
     cudaStream_t s = fm_cuda_stream(ctx);
     if (K == 0) {
         st = cfg->accumulate ? FM_OK : zero_output(ctx, d->data, fm_tensor_nbytes(d), s);
+        fm_cuda_leave(ctx, &g, cudaSuccess, "fm_grouped_gemm");
+        return st;
+    }
+    if (native) {
+        st = fm_cuda_gemm_sm90(ctx, cfg, splits, a, b, d);
         fm_cuda_leave(ctx, &g, cudaSuccess, "fm_grouped_gemm");
         return st;
     }
@@ -633,6 +686,10 @@ extern "C" fm_status fm_cuda_grouped_gemm(fm_context *ctx, const fm_gemm_config 
 extern "C" fm_status fm_cuda_grouped_gemm_wgrad(fm_context *ctx, const fm_gemm_config *cfg, const fm_splits *splits,
                                                 const fm_tensor *dy, const fm_tensor *x, fm_tensor *dw)
 {
+    if (cfg->impl == FM_GEMM_IMPL_NATIVE)
+        return fm_error(ctx, FM_ERR_UNSUPPORTED,
+                        "fm_grouped_gemm_wgrad: cfg->impl is NATIVE, and the native FP8 kernel does not do the "
+                        "k-grouped product yet (AUTO or LIBRARY run it through cuBLASLt)");
     if (dy->dtype == FM_DTYPE_F32 && dw->dtype != FM_DTYPE_F32) {
         fm_tensor tmp;
         void *buf;

@@ -49,8 +49,34 @@
 extern "C" {
 #endif
 
+/* Which CUDA implementation runs an FP8 product (the CPU backend has one and
+ * ignores this):
+ *   AUTO     (the default) the faster of the two where both apply, as
+ *            measured on H100: the native kernel for m-grouped products whose
+ *            experts average at most 256 rows (many small experts: one
+ *            launch instead of one call per expert, 2.2x at 64 experts of
+ *            256 rows) or that come with device split sizes only; cuBLASLt
+ *            for dense products and larger experts (native 0.8-0.9x there);
+ *   LIBRARY  cuBLASLt always (per-expert calls for the grouped forms);
+ *   NATIVE   the native sm_90a kernel (grouped_gemm_sm90.cu: TMA, wgmma and
+ *            in-kernel block-scale promotion, one persistent launch for all
+ *            experts, split sizes read on the device), or FM_ERR_UNSUPPORTED
+ *            saying why it does not apply. It applies to fm_gemm,
+ *            fm_linear_forward/dgrad and fm_grouped_gemm on a compute
+ *            capability 9.0 GPU with FP8 operands scaled TENSOR x TENSOR or
+ *            BLOCK_1x128 x BLOCK_128x128, both K contiguous, K a multiple of
+ *            16, 16-byte aligned data, BF16 or F32 out, at most 1024 experts
+ *            (64 when only host split sizes are given). */
+typedef enum fm_gemm_impl {
+    FM_GEMM_IMPL_AUTO = 0,
+    FM_GEMM_IMPL_LIBRARY,
+    FM_GEMM_IMPL_NATIVE,
+    FM_GEMM_IMPL_COUNT
+} fm_gemm_impl;
+
 typedef struct fm_gemm_config {
     int accumulate;   /* D += A·Bᵀ (D F32) instead of D = A·Bᵀ */
+    fm_gemm_impl impl;
 } fm_gemm_config;
 
 /* Dense: A [M, K], B [N, K], D [M, N]. */
@@ -73,9 +99,11 @@ fm_status fm_linear_wgrad(fm_context *ctx, const fm_gemm_config *cfg, const fm_t
 
 /* m-grouped (expert forward and data-gradient): A [ΣM_i, K] row-wise with
  * the experts' rows contiguous in split order, B [E, N, K] (one matrix per
- * expert), D [ΣM_i, N]: D_i = A_i · B_iᵀ. `splits` gives M_i (host sizes are
- * required by the CPU backend and by the cuBLASLt path); Σ M_i must equal A's
- * rows. Empty experts write nothing. A's scales are per row (ROW,
+ * expert), D [ΣM_i, N]: D_i = A_i · B_iᵀ. `splits` gives M_i; Σ M_i must
+ * equal A's rows. Host sizes are required by the CPU backend and by the
+ * cuBLASLt path; on CUDA, splits->host may be NULL when splits->device is
+ * given and the native kernel applies (no device-to-host copy: sizes that do
+ * not add up are clamped on the device, never written past d). Empty experts write nothing. A's scales are per row (ROW,
  * BLOCK_1x128) or one for all rows (TENSOR); B's TENSOR scale is one per
  * expert. No padding rule: M_i may be any size >= 0, because every A scale
  * mode here is per row. */

@@ -1,9 +1,17 @@
-/* CUDA (cuBLASLt) GEMMs match the CPU reference within the DESIGN.md
- * tolerance: relative Frobenius error <= 5e-3 with BF16 output, <= 5e-4 with
- * F32 output; every scale pair cuBLASLt takes, BF16 and F32 operands in both
- * layouts, COMPACT and GEMM scale layouts, odd M and N, accumulate, m-grouped
- * and k-grouped forms with empty experts; NaN reaches the same outputs; and
- * BLOCK_128x128 x BLOCK_128x128 is refused with FM_ERR_UNSUPPORTED. */
+/* CUDA GEMMs match the CPU reference within the DESIGN.md tolerance:
+ * relative Frobenius error <= 5e-3 with BF16 output, <= 5e-4 with F32
+ * output; every scale pair, BF16 and F32 operands in both layouts, COMPACT
+ * and GEMM scale layouts, odd M and N, accumulate, m-grouped and k-grouped
+ * forms with empty experts; NaN reaches the same outputs; and BLOCK_128x128 x
+ * BLOCK_128x128 is refused with FM_ERR_UNSUPPORTED.
+ * Every FP8 case runs twice, through cuBLASLt (cfg->impl LIBRARY) and through
+ * the native sm_90a kernel (NATIVE), which must take exactly the products
+ * gemm.h says it takes and refuse the others with a sentence. The native
+ * kernel also gets its own shape classes: experts of 0, 1, 127, 128, 129 and
+ * many rows, N and K off the 128 tile, one expert holding every row, more
+ * experts than CTAs' tile tables hold on the host path, device-only split
+ * sizes, split sizes that do not add up (nothing written past D), and the
+ * same bits run to run. */
 #include <math.h>
 #include <stdint.h>
 
@@ -168,6 +176,19 @@ static int aligned128(int64_t a, int64_t b, int64_t c, int64_t E, const int64_t 
     return ok;
 }
 
+/* The implementation the FP8 cases ask for (AUTO for the others). */
+static fm_gemm_impl impl = FM_GEMM_IMPL_AUTO;
+static int native_runs, native_refusals;
+static const char *impl_name(void) { return impl == FM_GEMM_IMPL_NATIVE ? " [native]" : impl ? " [cuBLASLt]" : ""; }
+
+/* gemm.h's list of what the native kernel takes (the GPU is a 9.0 one). */
+static int native_takes(fm_dtype a, fm_dtype b, fm_scale_mode ma, fm_scale_mode mb, int64_t K, fm_dtype out)
+{
+    int pair = (ma == FM_SCALE_TENSOR && mb == FM_SCALE_TENSOR) ||
+               (ma == FM_SCALE_BLOCK_1x128 && mb == FM_SCALE_BLOCK_128x128);
+    return fp8(a) && fp8(b) && pair && K % 16 == 0 && (out == FM_DTYPE_BF16 || out == FM_DTYPE_F32);
+}
+
 static int refused_by_cublaslt(fm_status sc, fm_status sg, fm_context *gpu, int aligned)
 {
     if (sc == FM_OK && sg == FM_ERR_UNSUPPORTED && strstr(fm_last_error(gpu), "cuBLASLt") && !aligned) {
@@ -175,6 +196,24 @@ static int refused_by_cublaslt(fm_status sc, fm_status sg, fm_context *gpu, int 
         return 1;
     }
     return 0;
+}
+
+/* With NATIVE asked: the kernel ran where gemm.h says it takes the product,
+ * and refused with a sentence naming it everywhere else (returns 1: no
+ * output to compare). */
+static int native_refused(fm_status sg, fm_context *gpu, int takes, const char *what)
+{
+    if (impl != FM_GEMM_IMPL_NATIVE)
+        return 0;
+    if (takes) {
+        native_runs++;
+        return 0;
+    }
+    GT_CHECK(sg == FM_ERR_UNSUPPORTED && strstr(fm_last_error(gpu), "native FP8 kernel"),
+             "%s: NATIVE on a product the kernel does not take gave %s: %s", what, fm_status_name(sg),
+             fm_last_error(gpu));
+    native_refusals++;
+    return 1;
 }
 
 static void dense(fm_context *cpu, fm_context *gpu, const pair_t *p, int64_t M, int64_t N, int64_t K, fm_dtype out,
@@ -196,15 +235,17 @@ static void dense(fm_context *cpu, fm_context *gpu, const pair_t *p, int64_t M, 
         GT_CUDA(cudaMemset(D.d.data, 0xFF, D.nd));
     else
         GT_CUDA(cudaMemcpy(D.d.data, D.h.data, D.nd, cudaMemcpyHostToDevice));
-    fm_gemm_config cfg = {.accumulate = acc};
+    fm_gemm_config cfg = {.accumulate = acc, .impl = impl};
     char what[200];
-    snprintf(what, sizeof what, "dense %s(%s, %s) x %s(%s, %s) M %lld N %lld K %lld -> %s%s%s", fm_dtype_name(p->a),
+    snprintf(what, sizeof what, "dense %s(%s, %s) x %s(%s, %s) M %lld N %lld K %lld -> %s%s%s%s", fm_dtype_name(p->a),
              fm_scale_mode_name(p->ma), fm_layout_name(la), fm_dtype_name(p->b), fm_scale_mode_name(p->mb),
              fm_layout_name(lb), (long long)M, (long long)N, (long long)K, fm_dtype_name(out),
-             acc ? " accumulate" : "", nan ? " NaN" : "");
+             acc ? " accumulate" : "", nan ? " NaN" : "", impl_name());
     fm_status sc = fm_gemm(cpu, &cfg, &A.h, &B.h, &D.h);
     fm_status sg = fm_gemm(gpu, &cfg, &A.d, &B.d, &D.d);
-    if (!refused_by_cublaslt(sc, sg, gpu, aligned128(M, N, K, 0, NULL)))
+    if (native_refused(sg, gpu, native_takes(p->a, p->b, p->ma, p->mb, K, out), what))
+        sc = FM_ERR_UNSUPPORTED; /* nothing to compare */
+    else if (!refused_by_cublaslt(sc, sg, gpu, aligned128(M, N, K, 0, NULL)))
     GT_CHECK(sc == FM_OK && sg == FM_OK, "%s: cpu %s, cuda %s: %s", what, fm_status_name(sc), fm_status_name(sg),
              fm_last_error(gpu));
     if (sc == FM_OK && sg == FM_OK) {
@@ -216,8 +257,11 @@ static void dense(fm_context *cpu, fm_context *gpu, const pair_t *p, int64_t M, 
     drop(&D);
 }
 
-static void grouped(fm_context *cpu, fm_context *gpu, const pair_t *p, int64_t E, const int64_t *splits, int64_t N,
-                    int64_t K, fm_dtype out)
+/* Where the split sizes live for the GPU call. */
+enum { SPLITS_HOST, SPLITS_BOTH, SPLITS_DEVICE };
+
+static void grouped_run(fm_context *cpu, fm_context *gpu, const pair_t *p, int64_t E, const int64_t *splits,
+                        int64_t N, int64_t K, fm_dtype out, int where, int acc, int nan)
 {
     int64_t S = 0;
     for (int64_t e = 0; e < E; e++)
@@ -228,24 +272,134 @@ static void grouped(fm_context *cpu, fm_context *gpu, const pair_t *p, int64_t E
     pairt A, B, D = out_pair(out, 2, 1, S, N);
     fill(&A, ta, p->ma ? (size_t)fm_tensor_scale_count(&ta) : 0);
     fill(&B, tb, p->mb ? (size_t)fm_tensor_scale_count(&tb) : 0);
-    GT_CUDA(cudaMemset(D.d.data, 0xFF, D.nd));
+    if (nan && fp8(p->a) && A.nd) {
+        ((uint8_t *)A.h.data)[rnd() % A.nd] = p->a == FM_DTYPE_E4M3 ? 0x7F : 0x7E;
+        upload(&A);
+    }
+    if (acc)
+        GT_CUDA(cudaMemcpy(D.d.data, D.h.data, D.nd, cudaMemcpyHostToDevice));
+    else
+        GT_CUDA(cudaMemset(D.d.data, 0xFF, D.nd));
+    int64_t *dsp = NULL;
+    if (where != SPLITS_HOST) {
+        GT_CUDA(cudaMalloc((void **)&dsp, (size_t)E * 8));
+        GT_CUDA(cudaMemcpy(dsp, splits, (size_t)E * 8, cudaMemcpyHostToDevice));
+    }
     fm_splits sp = {.groups = E, .host = splits};
-    char what[160];
-    snprintf(what, sizeof what, "m-grouped %s(%s) x %s(%s) E %lld sum M %lld N %lld K %lld -> %s",
-             fm_dtype_name(p->a), fm_scale_mode_name(p->ma), fm_dtype_name(p->b), fm_scale_mode_name(p->mb),
-             (long long)E, (long long)S, (long long)N, (long long)K, fm_dtype_name(out));
-    fm_status sc = fm_grouped_gemm(cpu, NULL, &sp, &A.h, &B.h, &D.h);
-    fm_status sg = fm_grouped_gemm(gpu, NULL, &sp, &A.d, &B.d, &D.d);
-    if (!refused_by_cublaslt(sc, sg, gpu, aligned128(N, K, 0, E, splits)))
+    fm_splits spg = {.groups = E, .host = where == SPLITS_DEVICE ? NULL : splits, .device = dsp};
+    fm_gemm_config cfg = {.accumulate = acc, .impl = impl};
+    char what[200];
+    snprintf(what, sizeof what, "m-grouped %s(%s, %s) x %s(%s) E %lld sum M %lld N %lld K %lld -> %s%s%s%s%s",
+             fm_dtype_name(p->a), fm_scale_mode_name(p->ma), fm_scale_layout_name(sl), fm_dtype_name(p->b),
+             fm_scale_mode_name(p->mb), (long long)E, (long long)S, (long long)N, (long long)K, fm_dtype_name(out),
+             acc ? " accumulate" : "", nan ? " NaN" : "",
+             where == SPLITS_DEVICE ? " device-only splits" : where == SPLITS_BOTH ? " device splits" : "",
+             impl_name());
+    fm_status sc = fm_grouped_gemm(cpu, &cfg, &sp, &A.h, &B.h, &D.h);
+    fm_status sg = fm_grouped_gemm(gpu, &cfg, &spg, &A.d, &B.d, &D.d);
+    int takes = native_takes(p->a, p->b, p->ma, p->mb, K, out) && (where != SPLITS_HOST || E <= 64);
+    if (native_refused(sg, gpu, takes, what))
+        sc = FM_ERR_UNSUPPORTED;
+    else if (!refused_by_cublaslt(sc, sg, gpu, aligned128(N, K, 0, E, splits)))
     GT_CHECK(sc == FM_OK && sg == FM_OK, "%s: cpu %s, cuda %s: %s", what, fm_status_name(sc), fm_status_name(sg),
              fm_last_error(gpu));
     if (sc == FM_OK && sg == FM_OK) {
         GT_CUDA(cudaDeviceSynchronize());
         compare(&D, what);
+        if (impl == FM_GEMM_IMPL_NATIVE && !acc) { /* run to run: the same bits */
+            uint8_t *first = malloc(D.nd + 1), *again = malloc(D.nd + 1);
+            GT_CUDA(cudaMemcpy(first, D.d.data, D.nd, cudaMemcpyDeviceToHost));
+            GT_CUDA(cudaMemset(D.d.data, 0xFF, D.nd));
+            GT_CHECK(fm_grouped_gemm(gpu, &cfg, &spg, &A.d, &B.d, &D.d) == FM_OK, "%s, again: %s", what,
+                     fm_last_error(gpu));
+            GT_CUDA(cudaMemcpy(again, D.d.data, D.nd, cudaMemcpyDeviceToHost));
+            GT_CHECK(!memcmp(first, again, D.nd), "%s: a second run gave other bits", what);
+            free(first);
+            free(again);
+        }
     }
+    cudaFree(dsp);
     drop(&A);
     drop(&B);
     drop(&D);
+}
+
+static void grouped(fm_context *cpu, fm_context *gpu, const pair_t *p, int64_t E, const int64_t *splits, int64_t N,
+                    int64_t K, fm_dtype out)
+{
+    grouped_run(cpu, gpu, p, E, splits, N, K, out, SPLITS_HOST, 0, 0);
+}
+
+/* Device split sizes that claim more rows than A has: the native kernel must
+ * not write past D (a canary after it stays), and must still finish. */
+static void wrong_splits(fm_context *gpu)
+{
+    const int64_t S = 200, N = 128, K = 128, E = 3;
+    const int64_t bad[3] = {150, -7, 190};
+    fm_tensor ta = operand(FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, FM_LAYOUT_ROWWISE, 2, 1, S, K);
+    fm_tensor tb = operand(FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128, FM_SCALE_LAYOUT_COMPACT, FM_LAYOUT_ROWWISE, 3, E, N, K);
+    pairt A, B;
+    fill(&A, ta, (size_t)fm_tensor_scale_count(&ta));
+    fill(&B, tb, (size_t)fm_tensor_scale_count(&tb));
+    size_t nd = (size_t)(S * N * 2), canary = 1 << 16;
+    uint8_t *dd = NULL, *h = malloc(canary);
+    GT_CUDA(cudaMalloc((void **)&dd, nd + canary));
+    GT_CUDA(cudaMemset(dd, 0xA5, nd + canary));
+    int64_t *dsp = NULL;
+    GT_CUDA(cudaMalloc((void **)&dsp, sizeof bad));
+    GT_CUDA(cudaMemcpy(dsp, bad, sizeof bad, cudaMemcpyHostToDevice));
+    fm_tensor D = fm_tensor_2d(dd, FM_DTYPE_BF16, S, N);
+    D.device = FM_DEVICE_CUDA;
+    fm_splits sp = {.groups = E, .device = dsp};
+    fm_gemm_config cfg = {.impl = FM_GEMM_IMPL_NATIVE};
+    fm_status st = fm_grouped_gemm(gpu, &cfg, &sp, &A.d, &B.d, &D);
+    GT_CHECK(st == FM_OK, "split sizes past A's rows: %s: %s", fm_status_name(st), fm_last_error(gpu));
+    GT_CUDA(cudaDeviceSynchronize());
+    GT_CUDA(cudaMemcpy(h, dd + nd, canary, cudaMemcpyDeviceToHost));
+    size_t bad_bytes = 0;
+    for (size_t i = 0; i < canary; i++)
+        bad_bytes += h[i] != 0xA5;
+    GT_CHECK(bad_bytes == 0, "split sizes past A's rows: %zu bytes written past D", bad_bytes);
+    free(h);
+    cudaFree(dd);
+    cudaFree(dsp);
+    drop(&A);
+    drop(&B);
+}
+
+/* The native kernel's own shape classes (FP8 pairs it takes only). */
+static void native_shapes(fm_context *cpu, fm_context *gpu)
+{
+    static const pair_t np[] = {
+        {FM_DTYPE_E4M3, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128},
+        {FM_DTYPE_E4M3, FM_DTYPE_E5M2, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128},
+        {FM_DTYPE_E5M2, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128},
+        {FM_DTYPE_E4M3, FM_DTYPE_E4M3, FM_SCALE_TENSOR, FM_SCALE_TENSOR},
+    };
+    static const int64_t classes[] = {0, 1, 127, 128, 129, 1000, 0, 300};
+    static int64_t one_hot[16], many[100];
+    one_hot[5] = 2000;
+    for (int e = 0; e < 100; e++)
+        many[e] = (int64_t)(rnd() % 40) * (e % 3 != 0);
+    impl = FM_GEMM_IMPL_NATIVE;
+    for (size_t i = 0; i < sizeof np / sizeof np[0]; i++) {
+        grouped_run(cpu, gpu, &np[i], 8, classes, 200, 336, FM_DTYPE_BF16, (int)(i % 3), 0, 0);
+        grouped_run(cpu, gpu, &np[i], 8, classes, 131, 208, FM_DTYPE_F32, SPLITS_BOTH, 1, 0);
+        grouped_run(cpu, gpu, &np[i], 8, classes, 256, 1040, FM_DTYPE_F32, SPLITS_HOST, 0, 1);
+    }
+    grouped_run(cpu, gpu, &np[0], 16, one_hot, 384, 512, FM_DTYPE_BF16, SPLITS_DEVICE, 0, 0);
+    grouped_run(cpu, gpu, &np[0], 100, many, 96, 256, FM_DTYPE_BF16, SPLITS_BOTH, 0, 0);
+    grouped_run(cpu, gpu, &np[0], 100, many, 96, 256, FM_DTYPE_BF16, SPLITS_HOST, 0, 0); /* refused: > 64 on host */
+    /* Many tiles per CTA: the persistent loop and the stage ring wrap many times. */
+    static const int64_t big[] = {5000, 3001, 0, 7999, 4000};
+    grouped_run(cpu, gpu, &np[0], 5, big, 520, 768, FM_DTYPE_BF16, SPLITS_BOTH, 0, 0);
+    for (size_t i = 0; i < sizeof np / sizeof np[0]; i++) {
+        dense(cpu, gpu, &np[i], 1, 131, 208, FM_DTYPE_BF16, 0, 0);
+        dense(cpu, gpu, &np[i], 129, 200, 1024, FM_DTYPE_F32, 1, 0);
+        dense(cpu, gpu, &np[i], 1000, 384, 336, FM_DTYPE_BF16, 0, 1);
+    }
+    wrong_splits(gpu);
+    impl = FM_GEMM_IMPL_AUTO;
 }
 
 /* k-grouped: the grouped column-wise scale arrays, sized per expert. */
@@ -291,24 +445,32 @@ int main(void)
     fm_context *gpu = gt_cuda_context("test_cuda_gemm_matches_cpu_within_tolerance");
     fm_context *cpu = gt_cpu_context();
     static const int64_t shapes[][3] = {{1, 16, 128}, {37, 19, 256}, {130, 257, 384}, {64, 64, 4096}, {7, 200, 48}};
-    for (size_t p = 0; p < sizeof pairs / sizeof pairs[0]; p++)
-        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
-            dense(cpu, gpu, &pairs[p], shapes[s][0], shapes[s][1], shapes[s][2], FM_DTYPE_BF16, 0, 0);
-            dense(cpu, gpu, &pairs[p], shapes[s][0], shapes[s][1], shapes[s][2], FM_DTYPE_F32, 1, 0);
-            dense(cpu, gpu, &pairs[p], shapes[s][0], shapes[s][1], shapes[s][2], FM_DTYPE_F32, 0, 1);
-        }
-    /* unscaled operands take any K */
-    dense(cpu, gpu, &pairs[4], 33, 17, 100, FM_DTYPE_BF16, 0, 0);
-    dense(cpu, gpu, &pairs[5], 5, 3, 7, FM_DTYPE_F32, 1, 0);
-
     static const int64_t sp1[] = {64, 0, 130, 1, 0, 33, 200, 16}, sp2[] = {0, 0, 257, 0};
     static const int64_t kp1[] = {128, 0, 256, 16, 0, 48, 512, 32}, kp2[] = {0, 384, 0, 0};
     static const int64_t sp128[] = {128, 0, 256, 128};
-    for (size_t p = 0; p < sizeof pairs / sizeof pairs[0]; p++) {
-        grouped(cpu, gpu, &pairs[p], 8, sp1, 96, 256, FM_DTYPE_BF16);
-        grouped(cpu, gpu, &pairs[p], 4, sp2, 40, 384, FM_DTYPE_F32);
-        grouped(cpu, gpu, &pairs[p], 4, sp128, 256, 256, FM_DTYPE_BF16);
+    static const fm_gemm_impl impls[] = {FM_GEMM_IMPL_LIBRARY, FM_GEMM_IMPL_NATIVE, FM_GEMM_IMPL_AUTO};
+    for (int i = 0; i < 3; i++) {
+        impl = impls[i];
+        for (size_t p = 0; p < sizeof pairs / sizeof pairs[0]; p++) {
+            if (impl != FM_GEMM_IMPL_AUTO && !fp8(pairs[p].a))
+                continue;
+            for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+                dense(cpu, gpu, &pairs[p], shapes[s][0], shapes[s][1], shapes[s][2], FM_DTYPE_BF16, 0, 0);
+                dense(cpu, gpu, &pairs[p], shapes[s][0], shapes[s][1], shapes[s][2], FM_DTYPE_F32, 1, 0);
+                dense(cpu, gpu, &pairs[p], shapes[s][0], shapes[s][1], shapes[s][2], FM_DTYPE_F32, 0, 1);
+            }
+            grouped(cpu, gpu, &pairs[p], 8, sp1, 96, 256, FM_DTYPE_BF16);
+            grouped(cpu, gpu, &pairs[p], 4, sp2, 40, 384, FM_DTYPE_F32);
+            grouped(cpu, gpu, &pairs[p], 4, sp128, 256, 256, FM_DTYPE_BF16);
+        }
     }
+    impl = FM_GEMM_IMPL_AUTO;
+    /* unscaled operands take any K */
+    dense(cpu, gpu, &pairs[4], 33, 17, 100, FM_DTYPE_BF16, 0, 0);
+    dense(cpu, gpu, &pairs[5], 5, 3, 7, FM_DTYPE_F32, 1, 0);
+    native_shapes(cpu, gpu);
+    GT_CHECK(native_runs > 0 && native_refusals > 0, "native kernel: %d runs, %d refusals (both expected)",
+             native_runs, native_refusals);
     for (int f = 0; f < 2; f++) {
         kgrouped(cpu, gpu, f, 8, kp1, 64, 96, FM_DTYPE_F32, 1);
         kgrouped(cpu, gpu, f, 4, kp2, 33, 130, FM_DTYPE_BF16, 0);
@@ -330,7 +492,7 @@ int main(void)
     fm_context_destroy(cpu);
     fm_context_destroy(gpu);
     printf("test_cuda_gemm_matches_cpu_within_tolerance: %d failures, %d cases skipped (no cuBLASLt kernel for the "
-           "shape)\n",
-           gt_failures, gt_skipped);
+           "shape), native kernel: %d products run, %d refused as gemm.h says\n",
+           gt_failures, gt_skipped, native_runs, native_refusals);
     return gt_failures ? 1 : 0;
 }

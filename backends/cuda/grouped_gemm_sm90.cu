@@ -1,0 +1,749 @@
+/* FP8 block-scaled GEMM for Hopper (sm_90a): m-grouped over a contiguous
+ * expert layout, and dense as one group. D [ΣM_i, N] = A [ΣM_i, K] · B_iᵀ,
+ * both FP8 with K contiguous, scaled BLOCK_1x128 x BLOCK_128x128 (DeepSeek)
+ * or TENSOR x TENSOR (one scale per expert for B). Output BF16, F32, or added
+ * into F32.
+ *
+ * One persistent launch: every CTA walks the 192 x 128 tiles t = blockIdx.x,
+ * + gridDim.x, ... of all experts (split sizes read on the device, so no host
+ * synchronisation; a table of tile and row prefix sums in shared memory maps
+ * t to its expert). A CTA is four warpgroups:
+ *   - a producer (warps 12-15, one thread working) that streams each 128-wide
+ *     K block's A and B tiles, A's 192 row scales and B's block scale into a
+ *     ring of GM_STAGES shared-memory stages with TMA, each stage completing
+ *     on a "full" mbarrier and handed back on an "empty" one;
+ *   - three consumers (warps 0-11), each owning 64 of the tile's 192 rows:
+ *     per K block, four m64n128k32 wgmma into a partial accumulator, then the
+ *     FP32 promotion acc += partial · (sa_row · sb_block). The partial sum of
+ *     one 128-K block never carries over, which both applies the block scales
+ *     exactly where the reference rule applies them and keeps the tensor
+ *     cores' reduced-precision accumulation to 128 products.
+ *   setmaxnreg moves registers from the producer to the consumers.
+ * Rows of a tile past its expert's end belong to the next expert (or lie past
+ * A, where TMA reads zeros): they are computed and never stored. K past the
+ * end is zero-filled by TMA, so a partial last K block adds nothing. Block
+ * scales must be in the GEMM layout (16-byte aligned); others are converted
+ * into scratch first.
+ *
+ * The reference rule (gemm.h) sums in double; this kernel sums each K block
+ * in the tensor cores and the blocks in F32, within the stated tolerance.
+ * notes/grouped_gemm_sm90.md has the versions, their figures, and what was
+ * tried and did not pay. */
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda.h"
+
+/* The tile's rows come from CWG consumer warpgroups of 64 rows each, CWG a
+ * template parameter of the kernel (2 or 3; host code names its choice CWG
+ * too): the macros below read it from the scope they expand in. 192 rows
+ * (3) run 11% faster per row on large experts; 128 (2) waste fewer rows on
+ * small ones (an expert of 256 rows is 2 tiles either way). */
+#define GM_BM (64 * CWG)
+#define GM_BN 128
+#define GM_BK 128
+#define GM_STAGES (CWG == 2 ? 6 : 5)
+#define GM_TILE_A (GM_BM * GM_BK)
+#define GM_STAGE_BYTES (GM_BM * GM_BK + GM_BN * GM_BK)
+/* A stage's A scales: one per row of the tile, loaded from the 16-byte
+ * aligned row at or before the tile's first (a TMA box starts on 16 bytes
+ * along its inner dimension: an unaligned start is an illegal instruction),
+ * so 4 more, in a slot that keeps the next one 128-byte aligned. */
+#define GM_SA_BOX (GM_BM + 4)
+#define GM_SA_BYTES ((GM_SA_BOX * 4 + 127) / 128 * 128)
+#define GM_SB_BYTES 128 /* a stage's B scales: the 16 bytes holding it, in a 128-byte slot */
+#define GM_THREADS (128 * (CWG + 1))
+#define GM_MAX_GROUPS 1024 /* device splits: the per-CTA tile table is in shared memory */
+#define GM_HOST_SPLITS 64  /* host-only splits travel in the kernel parameters */
+#define GM_GROUP_M 8       /* tiles of 8 consecutive m-blocks run together: A and B stay in L2 */
+
+typedef struct {
+    /* Block scales (BLK): A's GEMM-layout scales travel by TMA (map_sa), B's
+     * 16 bytes at a time by bulk copy from sb[e * sb_es + nb * sb_ns + kb / 4 * 4].
+     * TENSOR scales: sa[0] for A, sb[e] for expert e's B. */
+    const float *sa, *sb;
+    long long sb_es, sb_ns;
+    void *d;
+    long long ldd;
+    const int64_t *splits; /* device split sizes, or NULL: host_splits */
+    int host_splits[GM_HOST_SPLITS];
+    int groups, rows, n, k;
+    int accumulate, pair; /* pair: two neighbouring outputs may be stored as one aligned access */
+} gm_params;
+
+/* Device code that only sm_90a assembles: the host pass and the sm_90a pass
+ * see it; the plain sm_90 pass compiles a kernel that traps. */
+#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define GM_SM90A 1
+#else
+#define GM_SM90A 0
+#endif
+
+#if GM_SM90A
+__device__ static __forceinline__ uint32_t gm_sa(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+__device__ static __forceinline__ void gm_bar_init(uint64_t *b, int count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(gm_sa(b)), "r"(count) : "memory");
+}
+
+__device__ static __forceinline__ void gm_bar_wait(uint64_t *b, int parity)
+{
+    uint32_t done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(gm_sa(b)), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+
+__device__ static __forceinline__ void gm_bar_expect(uint64_t *b, uint32_t bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(gm_sa(b)), "r"(bytes) : "memory");
+}
+
+/* One box of a 2-D tensor map into shared memory; c0 runs along K. */
+__device__ static __forceinline__ void gm_tma_load(void *dst, const CUtensorMap *map, uint64_t *bar, int c0, int c1)
+{
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
+                 ::"r"(gm_sa(dst)), "l"((uint64_t)map), "r"(gm_sa(bar)), "r"(c0), "r"(c1)
+                 : "memory");
+}
+
+/* `bytes` (a multiple of 16, both addresses 16-byte aligned) from global
+ * memory into shared memory, completing on `bar`. */
+__device__ static __forceinline__ void gm_bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar)
+{
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(gm_sa(dst)), "l"((uint64_t)src), "r"(bytes), "r"(gm_sa(bar))
+                 : "memory");
+}
+
+/* As gm_tma_load, into the same offset of every CTA of the cluster in
+ * `mask`, completing on each one's barrier at that offset. */
+__device__ static __forceinline__ void gm_tma_load_mc(void *dst, const CUtensorMap *map, uint64_t *bar, int c0, int c1,
+                                                      uint16_t mask)
+{
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+                 " [%0], [%1, {%3, %4}], [%2], %5;"
+                 ::"r"(gm_sa(dst)), "l"((uint64_t)map), "r"(gm_sa(bar)), "r"(c0), "r"(c1), "h"(mask)
+                 : "memory");
+}
+
+/* Arrival on the barrier at the same offset in cluster CTA `cta`. */
+__device__ static __forceinline__ void gm_bar_arrive_cta(uint64_t *b, uint32_t cta)
+{
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(gm_sa(b)), "r"(cta));
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+
+__device__ static __forceinline__ uint32_t gm_cta_rank(void)
+{
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+/* Every thread of the cluster: barrier initialisation before any remote
+ * use, and no CTA gone while a peer may still arrive on its barriers. */
+__device__ static __forceinline__ void gm_cluster_sync(void)
+{
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
+/* wgmma shared-memory descriptor of a K-major tile written by TMA with the
+ * 128-byte swizzle: rows of 128 bytes, groups of 8 rows 1024 bytes apart
+ * (the stride byte offset); the leading byte offset is unused in this mode. */
+__device__ static __forceinline__ uint64_t gm_desc(uint32_t saddr)
+{
+    return (uint64_t)((saddr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
+           ((uint64_t)1 << 62);
+}
+
+/* One m64n128k32 FP8 wgmma: d (64 F32 per thread) = or += A (64 x 32) x B (128 x 32)^T, both from
+ * shared memory through their descriptors; TA and TB name the PTX types. */
+#define GM_WGMMA_N128(TA, TB, d, da, db, acc) \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                          \
+                 "wgmma.mma_async.sync.aligned.m64n128k32.f32." TA "." TB " {"                             \
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
+                 "}, %64, %65, p, 1, 1;\n}\n"                                                             \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
+                 : "l"(da), "l"(db), "r"(acc))
+
+
+/* Keeps the compiler from touching an accumulator while a wgmma owns it. */
+#define GM_FENCE(x) asm volatile("" : "+f"(x)::"memory")
+
+template <int TA, int TB>
+__device__ static __forceinline__ void gm_mma(float *d, uint64_t da, uint64_t db, int acc)
+{
+    /* E5M2 x E5M2 never gets here: the API refuses it (as cuBLASLt does). */
+    if (TA == 0 && TB == 0)
+        GM_WGMMA_N128("e4m3", "e4m3", d, da, db, acc);
+    else if (TA == 0)
+        GM_WGMMA_N128("e4m3", "e5m2", d, da, db, acc);
+    else
+        GM_WGMMA_N128("e5m2", "e4m3", d, da, db, acc);
+}
+
+/* Tile t of all experts -> (expert, m block, n block). Empty experts share
+ * their start with the next expert; the last start <= t is the one that owns
+ * tiles. Inside an expert, GM_GROUP_M m blocks sweep the n blocks together. */
+__device__ static __forceinline__ void gm_tile(const int *tile_pfx, const int *row_pfx, int G, int nt, int bm, int t,
+                                               int *e, int *mb, int *nb)
+{
+    int lo = 0, hi = G - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) >> 1;
+        if (tile_pfx[mid] <= t)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    int L = t - tile_pfx[lo];
+    int mt = (row_pfx[lo + 1] - row_pfx[lo] + bm - 1) / bm;
+    int g = L / (GM_GROUP_M * nt), first = g * GM_GROUP_M;
+    int gm = mt - first < GM_GROUP_M ? mt - first : GM_GROUP_M;
+    int r = L - g * GM_GROUP_M * nt;
+    *e = lo;
+    *mb = first + r % gm;
+    *nb = r / gm;
+}
+
+/* The old values of the outputs a thread adds to (accumulate), all loads in
+ * flight before the first is used: read one by one next to their stores, they
+ * cost 12 us per tile (the stores might alias them). Unread slots stay 0. */
+__device__ static __forceinline__ void gm_load_old(const gm_params *p, long long row, int col, int ok, float *x,
+                                                   float *y)
+{
+    const float *o = (const float *)p->d + row * p->ldd + col;
+    *x = ok && col < p->n ? o[0] : 0.0f;
+    *y = ok && col + 1 < p->n ? o[1] : 0.0f;
+}
+
+__device__ static __forceinline__ void gm_store(const gm_params *p, long long row, int col, float x, float y, int DF32)
+{
+    long long off = row * p->ldd + col;
+    int two = col + 1 < p->n;
+    if (DF32) {
+        float *o = (float *)p->d + off;
+        if (two && p->pair)
+            *(float2 *)o = make_float2(x, y);
+        else {
+            o[0] = x;
+            if (two)
+                o[1] = y;
+        }
+    } else {
+        __nv_bfloat16 *o = (__nv_bfloat16 *)p->d + off;
+        if (two && p->pair)
+            *(__nv_bfloat162 *)o = __floats2bfloat162_rn(x, y);
+        else {
+            o[0] = __float2bfloat16_rn(x);
+            if (two)
+                o[1] = __float2bfloat16_rn(y);
+        }
+    }
+}
+
+/* Consumer side of one K block: wait for its stage, read its scales (into
+ * *s0, *s1 for the warp's two rows), and issue its four wgmmas into `part` as
+ * one commit group. Returns without waiting for them. */
+template <int TA, int TB, int BLK, int CWG>
+__device__ static __forceinline__ void gm_issue(float *part, unsigned char *sm, uint64_t *full, const float *s_sa,
+                                                const float *s_sb, int s, int ph, int kb, int wg, int sa_row,
+                                                float ts, float *s0, float *s1)
+{
+    gm_bar_wait(&full[s], ph);
+    *s0 = *s1 = ts;
+    if (BLK) { /* read now: the stage is handed back before the promotion */
+        const float b = s_sb[s * (GM_SB_BYTES / 4) + (kb & 3)];
+        *s0 = s_sa[s * (GM_SA_BYTES / 4) + sa_row] * b;
+        *s1 = s_sa[s * (GM_SA_BYTES / 4) + sa_row + 8] * b;
+    }
+    uint32_t base = gm_sa(sm + s * GM_STAGE_BYTES);
+    uint64_t da = gm_desc(base + wg * 64 * GM_BK), db = gm_desc(base + GM_TILE_A);
+#pragma unroll
+    for (int i = 0; i < 64; i++)
+        GM_FENCE(part[i]);
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+    for (int k = 0; k < GM_BK / 32; k++) /* 32 bytes along K: +2 in the descriptor's 16-byte units */
+        gm_mma<TA, TB>(part, da + 2 * k, db + 2 * k, k);
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+
+/* After the wait for `part`'s group: hand its stage back (one arrival per
+ * warp) and fold it into the accumulator with its scales. */
+template <int CL>
+__device__ static __forceinline__ void gm_retire(float *acc, float *part, uint64_t *empty, int s, int lane, float s0,
+                                                 float s1)
+{
+#pragma unroll
+    for (int i = 0; i < 64; i++)
+        GM_FENCE(part[i]);
+    if (lane == 0) {
+        if (CL > 1) /* every CTA of the cluster wrote into this stage: all are told */
+            for (uint32_t c = 0; c < CL; c++)
+                gm_bar_arrive_cta(&empty[s], c);
+        else
+            asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(gm_sa(&empty[s])) : "memory");
+    }
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        acc[4 * j + 0] = fmaf(part[4 * j + 0], s0, acc[4 * j + 0]);
+        acc[4 * j + 1] = fmaf(part[4 * j + 1], s0, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(part[4 * j + 2], s1, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(part[4 * j + 3], s1, acc[4 * j + 3]);
+    }
+}
+
+template <int CWG>
+__device__ static __forceinline__ void gm_next(int *s, int *ph)
+{
+    if (++*s == GM_STAGES) {
+        *s = 0;
+        *ph ^= 1;
+    }
+}
+
+#endif /* GM_SM90A */
+
+/* CL: CTAs per cluster (launched with the cluster attribute when > 1);
+ * CWG: consumer warpgroups. */
+template <int TA, int TB, int DF32, int BLK, int CL, int CWG>
+__global__ void __launch_bounds__(GM_THREADS, 1)
+    gm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+              const __grid_constant__ CUtensorMap map_sa, const gm_params p)
+{
+#if !GM_SM90A
+    __trap(); /* the plain sm_90 pass: wgmma and setmaxnreg exist only in sm_90a, which a 9.0 GPU loads */
+#else
+    extern __shared__ unsigned char gm_smem_raw[];
+    unsigned char *sm = (unsigned char *)(((uintptr_t)gm_smem_raw + 1023) & ~(uintptr_t)1023);
+    float *s_sa = (float *)(sm + GM_STAGES * GM_STAGE_BYTES);
+    float *s_sb = (float *)((unsigned char *)s_sa + GM_STAGES * GM_SA_BYTES);
+    uint64_t *full = (uint64_t *)((unsigned char *)s_sb + GM_STAGES * GM_SB_BYTES);
+    uint64_t *empty = full + GM_STAGES;
+    int *tile_pfx = (int *)(empty + GM_STAGES);
+    int *row_pfx = tile_pfx + p.groups + 1;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int G = p.groups, nkb = (p.k + GM_BK - 1) / GM_BK;
+    /* A cluster's CTAs take the n blocks cn * CL + rank of one
+     * "cluster tile" cn; n blocks past N compute and store nothing. */
+    const int nt = (p.n + GM_BN * CL - 1) / (GM_BN * CL);
+    const uint32_t rank = CL > 1 ? gm_cta_rank() : 0;
+    const int cid = blockIdx.x / CL, ncl = gridDim.x / CL;
+
+    if (warp == 0) {
+        /* Prefix sums of rows and tiles per expert. Split sizes come from the
+         * caller's device memory unchecked: clamping each to [0, rows] and
+         * every row to < rows below keeps a wrong split from writing outside D. */
+        long long ct = 0, cr = 0;
+        for (int b0 = 0; b0 < G; b0 += 32) {
+            int e = b0 + lane;
+            long long m = 0;
+            if (e < G)
+                m = p.splits ? p.splits[e] : p.host_splits[e];
+            m = m < 0 ? 0 : m > p.rows ? p.rows : m;
+            long long t = ((m + GM_BM - 1) / GM_BM) * nt, r = m;
+            for (int o = 1; o < 32; o <<= 1) {
+                long long xt = __shfl_up_sync(0xffffffffu, t, o), xr = __shfl_up_sync(0xffffffffu, r, o);
+                if (lane >= o) {
+                    t += xt;
+                    r += xr;
+                }
+            }
+            if (e < G) {
+                tile_pfx[e + 1] = (int)(ct + t < INT_MAX ? ct + t : INT_MAX);
+                row_pfx[e + 1] = (int)(cr + r < INT_MAX ? cr + r : INT_MAX);
+            }
+            ct += __shfl_sync(0xffffffffu, t, 31);
+            cr += __shfl_sync(0xffffffffu, r, 31);
+        }
+        if (lane == 0)
+            tile_pfx[0] = row_pfx[0] = 0;
+    } else if (warp == 1 && lane == 0) {
+        for (int s = 0; s < GM_STAGES; s++) {
+            gm_bar_init(&full[s], 1);
+            gm_bar_init(&empty[s], 4 * CWG * CL); /* one arrival per consumer warp of the cluster */
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (CL > 1)
+        gm_cluster_sync();
+    const int total = tile_pfx[G];
+
+    if (warp >= 4 * CWG) {
+        /* registers per thread: the producer gives back what the consumers take, within the SM's 64K */
+        if (CWG == 2)
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        else
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n" ::: "memory");
+        if (warp == 4 * CWG && lane == 0) {
+            int s = 0, ph = 0;
+            for (int t = cid; t < total; t += ncl) {
+                int e, mb, nb;
+                gm_tile(tile_pfx, row_pfx, G, nt, GM_BM, t, &e, &mb, &nb);
+                nb = nb * CL + rank;
+                int arow = row_pfx[e] + mb * GM_BM, brow = e * p.n + nb * GM_BN;
+                for (int kb = 0; kb < nkb; kb++) {
+                    gm_bar_wait(&empty[s], ph ^ 1);
+                    unsigned char *st = sm + s * GM_STAGE_BYTES;
+                    gm_bar_expect(&full[s], GM_STAGE_BYTES + (BLK ? GM_SA_BOX * 4 + 16 : 0));
+                    if (CL > 1)
+                        gm_tma_load_mc(st + rank * (GM_BM / CL) * GM_BK, &map_a, &full[s], kb * GM_BK,
+                                       arow + rank * (GM_BM / CL), (uint16_t)((1u << CL) - 1));
+                    else
+                        gm_tma_load(st, &map_a, &full[s], kb * GM_BK, arow);
+                    gm_tma_load(st + GM_TILE_A, &map_b, &full[s], kb * GM_BK, brow);
+                    if (BLK) {
+                        /* Scales through the copy engine too: read from global
+                         * memory by the consumers, their latency stalled every
+                         * K block (ncu: 30% of the samples). */
+                        gm_tma_load(s_sa + s * (GM_SA_BYTES / 4), &map_sa, &full[s], arow & ~3, kb);
+                        /* an n block past N (the second of an odd pair) reads its neighbour's scales */
+                        const int nbs = nb < (p.n + GM_BN - 1) / GM_BN ? nb : nb - 1;
+                        gm_bulk_load(s_sb + s * (GM_SB_BYTES / 4), p.sb + e * p.sb_es + nbs * p.sb_ns + (kb & ~3), 16,
+                                     &full[s]);
+                    }
+                    if (++s == GM_STAGES) {
+                        s = 0;
+                        ph ^= 1;
+                    }
+                }
+            }
+        }
+    } else {
+        if (CWG == 2)
+            asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+        else
+            asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n" ::: "memory");
+        const int wg = warp >> 2, wr = (warp & 3) * 16 + (lane >> 2);
+        /* One partial accumulator: kept in flight with a second one (block
+         * kb + 1 issued before block kb's promotion) the kernel ran 11% slower;
+         * the other consumer warpgroups keep the tensor cores busy instead. */
+        float acc[64], part[64];
+#pragma unroll
+        for (int i = 0; i < 64; i++)
+            part[i] = 0.0f;
+        int s = 0, ph = 0;
+        for (int t = cid; t < total; t += ncl) {
+            int e, mb, nb;
+            gm_tile(tile_pfx, row_pfx, G, nt, GM_BM, t, &e, &mb, &nb);
+            nb = nb * CL + rank;
+            const int m_e = row_pfx[e + 1] - row_pfx[e];
+            const int r0 = mb * GM_BM + wg * 64 + wr; /* expert row of acc[4j], acc[4j+1]; r0 + 8: the other two */
+            const long long g0 = (long long)row_pfx[e] + r0, g1 = g0 + 8;
+            const int sa_row = ((row_pfx[e] + mb * GM_BM) & 3) + wg * 64 + wr; /* in the stage's A scale slot */
+            /* TENSOR x TENSOR: two scales for the whole tile. */
+            const float ts = BLK ? 1.0f : __ldg(p.sa) * __ldg(p.sb + e);
+#pragma unroll
+            for (int i = 0; i < 64; i++)
+                acc[i] = 0.0f;
+            for (int kb = 0; kb < nkb; kb++) {
+                float s0, s1;
+                gm_issue<TA, TB, BLK, CWG>(part, sm, full, s_sa, s_sb, s, ph, kb, wg, sa_row, ts, &s0, &s1);
+                asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+                gm_retire<CL>(acc, part, empty, s, lane, s0, s1);
+                gm_next<CWG>(&s, &ph);
+            }
+            const int c0 = nb * GM_BN + (lane & 3) * 2;
+            const int ok0 = r0 < m_e && g0 < p.rows, ok1 = r0 + 8 < m_e && g1 < p.rows;
+            if (DF32 && p.accumulate) { /* the partial accumulator is free now: it holds the old D */
+#pragma unroll
+                for (int j = 0; j < 16; j++) {
+                    gm_load_old(&p, g0, c0 + 8 * j, ok0, &part[4 * j + 0], &part[4 * j + 1]);
+                    gm_load_old(&p, g1, c0 + 8 * j, ok1, &part[4 * j + 2], &part[4 * j + 3]);
+                }
+#pragma unroll
+                for (int i = 0; i < 64; i++)
+                    acc[i] += part[i];
+            }
+#pragma unroll
+            for (int j = 0; j < 16; j++) {
+                int col = c0 + 8 * j;
+                if (col < p.n) {
+                    if (ok0)
+                        gm_store(&p, g0, col, acc[4 * j + 0], acc[4 * j + 1], DF32);
+                    if (ok1)
+                        gm_store(&p, g1, col, acc[4 * j + 2], acc[4 * j + 3], DF32);
+                }
+            }
+        }
+    }
+    if (CL > 1)
+        gm_cluster_sync();
+#endif
+}
+
+/* ---- host ---------------------------------------------------------------- */
+
+/* The driver's tensor-map encoder, looked up through the runtime so that the
+ * library needs no link against libcuda. Racing first calls store the same
+ * pointer. */
+static PFN_cuTensorMapEncodeTiled_v12000 gm_encoder(void)
+{
+    static void *fn;
+    static int looked;
+    if (!looked) {
+        void *f = NULL;
+        cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) !=
+                cudaSuccess ||
+            q != cudaDriverEntryPointSuccess)
+            f = NULL;
+        fn = f;
+        looked = 1;
+    }
+    return (PFN_cuTensorMapEncodeTiled_v12000)fn;
+}
+
+static int gm_fp8(fm_dtype t) { return t == FM_DTYPE_E4M3 || t == FM_DTYPE_E5M2; }
+
+/* Why the native kernel cannot run this product (NULL: it can). */
+extern "C" const char *fm_cuda_gemm_sm90_why_not(fm_context *ctx, const fm_splits *splits, const fm_tensor *a,
+                                                 const fm_tensor *b, const fm_tensor *d)
+{
+    const cudaDeviceProp *pr = &fm_cuda(ctx)->prop;
+    if (pr->major != 9 || pr->minor != 0)
+        return "runs on compute capability 9.0 (H100/H200) only";
+    if (!gm_fp8(a->dtype) || !gm_fp8(b->dtype))
+        return "takes FP8 (E4M3/E5M2) operands only";
+    if (a->layout != FM_LAYOUT_ROWWISE || b->layout != FM_LAYOUT_ROWWISE)
+        return "takes both operands with K contiguous";
+    if (!(a->scale_mode == FM_SCALE_TENSOR && b->scale_mode == FM_SCALE_TENSOR) &&
+        !(a->scale_mode == FM_SCALE_BLOCK_1x128 && b->scale_mode == FM_SCALE_BLOCK_128x128))
+        return "takes the scale pairs TENSOR x TENSOR and BLOCK_1x128 x BLOCK_128x128 only";
+    if (d->dtype != FM_DTYPE_BF16 && d->dtype != FM_DTYPE_F32)
+        return "writes BF16 or F32 only";
+    int64_t S = a->shape[0], K = a->shape[1];
+    int64_t E = splits ? splits->groups : 1, N = b->shape[b->ndim - 2];
+    if (K % 16 || ((uintptr_t)a->data | (uintptr_t)b->data) % 16)
+        return "needs K a multiple of 16 and 16-byte aligned operands (TMA)";
+    if (splits && !splits->device && E > GM_HOST_SPLITS)
+        return "needs device split sizes for more than 64 experts";
+    if (E > GM_MAX_GROUPS)
+        return "takes at most 1024 experts";
+    if (S >= INT_MAX || K >= INT_MAX || E * N >= INT_MAX || (S / 128 + E) * fm_cdiv(N, GM_BN) >= INT_MAX)
+        return "takes fewer than 2^31 rows, columns and tiles";
+    if (!gm_encoder())
+        return "needs the driver's cuTensorMapEncodeTiled, which this driver does not give";
+    return NULL;
+}
+
+/* Shared memory: alignment slack, the stages, their scale slots, the
+ * barriers, two tables of groups + 1 ints. */
+#define GM_SMEM(groups)                                                                                      \
+    (1024 + GM_STAGES * (GM_STAGE_BYTES + GM_SA_BYTES + GM_SB_BYTES) + 2 * GM_STAGES * 8 +                 \
+     2 * ((size_t)(groups) + 1) * 4)
+
+template <int TA, int TB, int DF32, int BLK, int CL, int CWG>
+static cudaError_t gm_launch(const CUtensorMap *maps, const gm_params *p, int grid, size_t smem, cudaStream_t s)
+{
+    static int ready; /* set for the largest table once; setting it twice is harmless */
+    if (!ready) {
+        cudaError_t err = cudaFuncSetAttribute(gm_kernel<TA, TB, DF32, BLK, CL, CWG>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               (int)GM_SMEM(GM_MAX_GROUPS));
+        if (err != cudaSuccess)
+            return err;
+        ready = 1;
+    }
+    cudaLaunchConfig_t lc = {};
+    cudaLaunchAttribute at[1];
+    lc.gridDim = dim3((unsigned)grid);
+    lc.blockDim = dim3(GM_THREADS);
+    lc.dynamicSmemBytes = smem;
+    lc.stream = s;
+    if (CL > 1) {
+        at[0].id = cudaLaunchAttributeClusterDimension;
+        at[0].val.clusterDim.x = CL;
+        at[0].val.clusterDim.y = 1;
+        at[0].val.clusterDim.z = 1;
+        lc.attrs = at;
+        lc.numAttrs = 1;
+    }
+    return cudaLaunchKernelEx(&lc, gm_kernel<TA, TB, DF32, BLK, CL, CWG>, maps[0], maps[1], maps[2], *p);
+}
+
+template <int TA, int TB, int CL, int CWG>
+static cudaError_t gm_launch_cw(int f32, int blk, const CUtensorMap *maps, const gm_params *p, int grid, size_t smem,
+                                cudaStream_t s)
+{
+#define GM_L(DF, BK) gm_launch<TA, TB, DF, BK, CL, CWG>(maps, p, grid, smem, s)
+    return blk ? (f32 ? GM_L(1, 1) : GM_L(0, 1)) : (f32 ? GM_L(1, 0) : GM_L(0, 0));
+#undef GM_L
+}
+
+template <int TA, int TB>
+static cudaError_t gm_launch_ab(int f32, int blk, int cl, int cwg, const CUtensorMap *maps, const gm_params *p,
+                                int grid, size_t smem, cudaStream_t s)
+{
+    if (cl > 1)
+        return cwg == 2 ? gm_launch_cw<TA, TB, 2, 2>(f32, blk, maps, p, grid, smem, s)
+                        : gm_launch_cw<TA, TB, 2, 3>(f32, blk, maps, p, grid, smem, s);
+    return cwg == 2 ? gm_launch_cw<TA, TB, 1, 2>(f32, blk, maps, p, grid, smem, s)
+                    : gm_launch_cw<TA, TB, 1, 3>(f32, blk, maps, p, grid, smem, s);
+}
+
+/* Consumer warpgroups for these experts: 3 (192-row tiles, 11% faster per
+ * row computed, measured on 4096-row experts) unless 128-row tiles compute
+ * enough fewer rows past the experts' ends to make up for it. Device-only
+ * sizes: by the mean. */
+static int gm_pick_cwg(const fm_splits *splits, int64_t S)
+{
+    if (splits && !splits->host)
+        return S / splits->groups <= 512 ? 2 : 3;
+    int64_t r2 = 0, r3 = 0, E = splits ? splits->groups : 1;
+    for (int64_t e = 0; e < E; e++) {
+        int64_t m = splits ? splits->host[e] : S;
+        r2 += fm_cdiv(m, 128) * 128;
+        r3 += fm_cdiv(m, 192) * 192;
+    }
+    return (double)r3 <= 1.11 * (double)r2 ? 3 : 2;
+}
+
+/* CTAs per cluster. With 2, a pair works on two neighbouring n blocks of one
+ * m block and shares the A tile, each loading half of it into both (TMA
+ * multicast): 28 KB from L2 per K block instead of 40. The environment
+ * variable FLOWMOE_SM90_CLUSTER=2 asks for it (a tuning knob, read once);
+ * notes/grouped_gemm_sm90.md has what it measured. */
+static int gm_cluster_size(void)
+{
+    static int cl;
+    if (!cl) {
+        const char *v = getenv("FLOWMOE_SM90_CLUSTER");
+        cl = v && v[0] == '2' && !v[1] ? 2 : 1;
+    }
+    return cl;
+}
+
+/* A 2-D tensor map: `outer` rows of `inner` elements of `esize` bytes, row
+ * pitch `pitch` bytes, boxes of box_inner x box_outer. */
+static fm_status gm_map(fm_context *ctx, CUtensorMap *m, const void *base, int fp32, int64_t inner, int64_t outer,
+                        int64_t pitch, int box_inner, int box_outer, const char *what)
+{
+    cuuint64_t dims[2] = {(cuuint64_t)inner, (cuuint64_t)outer};
+    cuuint64_t strides[1] = {(cuuint64_t)pitch};
+    cuuint32_t box[2] = {(cuuint32_t)box_inner, (cuuint32_t)box_outer};
+    cuuint32_t es[2] = {1, 1};
+    CUresult r = gm_encoder()(m, fp32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_UINT8, 2,
+                              (void *)base, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                              fp32 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS)
+        return fm_error(ctx, FM_ERR_BACKEND, "native FP8 GEMM: cuTensorMapEncodeTiled(%s) failed with CUresult %d",
+                        what, (int)r);
+    return FM_OK;
+}
+
+/* The block scales as the kernel reads them: GEMM layout, 16-byte aligned.
+ * Others are converted into scratch (a pass over a few MB). */
+static int gm_scales_ready(const fm_tensor *t)
+{
+    return t->scale_layout == FM_SCALE_LAYOUT_GEMM && (uintptr_t)t->scale % 16 == 0;
+}
+
+/* D = A · Bᵀ per expert (splits NULL: dense). The caller checked
+ * fm_cuda_gemm_sm90_why_not and that nothing is empty, and holds the device. */
+extern "C" fm_status fm_cuda_gemm_sm90(fm_context *ctx, const fm_gemm_config *cfg, const fm_splits *splits,
+                                       const fm_tensor *a, const fm_tensor *b, fm_tensor *d)
+{
+    int64_t S = a->shape[0], K = a->shape[1], N = b->shape[b->ndim - 2];
+    int64_t E = splits ? splits->groups : 1;
+    int64_t nkb = fm_cdiv(K, 128), R4 = fm_round_up(S, 4);
+    int blk = a->scale_mode == FM_SCALE_BLOCK_1x128, cl = gm_cluster_size();
+    const int CWG = gm_pick_cwg(splits, S); /* read by the GM_ macros below */
+    cudaStream_t s = fm_cuda_stream(ctx);
+    fm_status st = FM_OK;
+    gm_params p;
+    memset(&p, 0, sizeof p);
+    p.sa = (const float *)a->scale;
+    p.sb = (const float *)b->scale;
+    void *scratch = NULL;
+    int owned = 0;
+    if (blk) {
+        int64_t per_b = fm_scale_count_2d(FM_SCALE_BLOCK_128x128, FM_SCALE_LAYOUT_GEMM, N, K);
+        size_t need_a = gm_scales_ready(a) ? 0 : (size_t)fm_round_up(nkb * R4 * 4, 256);
+        size_t need_b = gm_scales_ready(b) ? 0 : (size_t)(E * per_b * 4);
+        if (need_a + need_b) {
+            if ((st = fm_cuda_scratch(ctx, need_a + need_b, &scratch, &owned, "fm_grouped_gemm (native)")))
+                return st;
+            fm_tensor ga = *a, gb = *b;
+            ga.scale_layout = gb.scale_layout = FM_SCALE_LAYOUT_GEMM;
+            ga.scale = scratch;
+            gb.scale = (char *)scratch + need_a;
+            if (need_a && !st && !(st = fm_cuda_scale_layout_convert(ctx, a, &ga)))
+                p.sa = (const float *)ga.scale;
+            if (need_b && !st && !(st = fm_cuda_scale_layout_convert(ctx, b, &gb)))
+                p.sb = (const float *)gb.scale;
+        }
+        p.sb_es = per_b;
+        p.sb_ns = fm_round_up(nkb, 4);
+    }
+    p.d = d->data;
+    p.ldd = N;
+    p.groups = (int)E;
+    p.rows = (int)S;
+    p.n = (int)N;
+    p.k = (int)K;
+    p.accumulate = cfg->accumulate;
+    p.pair = N % 2 == 0 && (uintptr_t)d->data % (d->dtype == FM_DTYPE_F32 ? 8 : 4) == 0;
+    if (splits && splits->device)
+        p.splits = splits->device;
+    else if (splits)
+        for (int64_t e = 0; e < E; e++)
+            p.host_splits[e] = (int)splits->host[e];
+    else
+        p.host_splits[0] = (int)S;
+    /* maps[2]: A's scales viewed as nkb rows of R4 floats (GEMM layout), one
+     * box = the 128 rows of a tile in one K block (and up to 4 before them).
+     * Unused for TENSOR scales. */
+    CUtensorMap maps[3];
+    memset(maps, 0, sizeof maps);
+    if (!st)
+        st = gm_map(ctx, &maps[0], a->data, 0, K, S, K, GM_BK, GM_BM / cl, "A");
+    if (!st)
+        st = gm_map(ctx, &maps[1], b->data, 0, K, E * N, K, GM_BK, GM_BN, "B");
+    if (!st && blk)
+        st = gm_map(ctx, &maps[2], p.sa, 1, R4, nkb, R4 * 4, GM_SA_BOX, 1, "A scales");
+    if (!st) {
+        int64_t tiles = (S / GM_BM + E) * fm_cdiv(N, GM_BN * cl); /* cluster tiles */
+        int64_t clusters = fm_cuda(ctx)->prop.multiProcessorCount / cl;
+        int grid = (int)(tiles < clusters ? tiles : clusters) * cl;
+        size_t smem = GM_SMEM(E);
+        int ta = a->dtype == FM_DTYPE_E5M2, tb = b->dtype == FM_DTYPE_E5M2, f32 = d->dtype == FM_DTYPE_F32;
+        cudaError_t err;
+        if (ta == 0 && tb == 0)
+            err = gm_launch_ab<0, 0>(f32, blk, cl, CWG, maps, &p, grid, smem, s);
+        else if (ta == 0)
+            err = gm_launch_ab<0, 1>(f32, blk, cl, CWG, maps, &p, grid, smem, s);
+        else
+            err = gm_launch_ab<1, 0>(f32, blk, cl, CWG, maps, &p, grid, smem, s);
+        st = fm_cuda_check(ctx, err, "native FP8 GEMM kernel launch");
+    }
+    if (owned) {
+        cudaError_t err = cudaFreeAsync(scratch, s);
+        fm_status st2 = fm_cuda_check(ctx, err, "native FP8 GEMM: cudaFreeAsync(scratch)");
+        if (!st)
+            st = st2;
+    }
+    return st;
+}
