@@ -103,9 +103,9 @@ fm_status fm_linear_wgrad(fm_context *ctx, const fm_gemm_config *cfg, const fm_t
  * equal A's rows. Host sizes are required by the CPU backend and by the
  * cuBLASLt path; on CUDA, splits->host may be NULL when splits->device is
  * given and the native kernel applies (no device-to-host copy: sizes that do
- * not add up are clamped on the device, never written past d). Empty experts write nothing. A's scales are per row (ROW,
- * BLOCK_1x128) or one for all rows (TENSOR); B's TENSOR scale is one per
- * expert. No padding rule: M_i may be any size >= 0, because every A scale
+ * not add up are clamped on the device, never written past d). Empty
+ * experts write nothing. A's scales are per row (ROW, BLOCK_1x128) or one for
+ * all rows (TENSOR); B's TENSOR scale is one per expert. No padding rule: M_i may be any size >= 0, because every A scale
  * mode here is per row. */
 fm_status fm_grouped_gemm(fm_context *ctx, const fm_gemm_config *cfg, const fm_splits *splits,
                           const fm_tensor *a, const fm_tensor *b, fm_tensor *d);
