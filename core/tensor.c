@@ -130,8 +130,16 @@ int64_t fm_tensor_scale_count(const fm_tensor *t)
         return -1;
     if (t->scale_mode == FM_SCALE_NONE)
         return 0;
-    return fm_tensor_experts(t) *
-           fm_scale_count_2d(t->scale_mode, t->scale_layout, fm_tensor_stored_rows(t), fm_tensor_stored_cols(t));
+    /* A bounded element count still allows a huge row count with no columns
+     * (ROW scales: one per row) and the GEMM layouts round up: sizes past
+     * 2^56 rows or columns, or a count past int64, are answered -1 rather
+     * than overflowed (fuzz_descriptor_validation found R = 2^62, C = 0). */
+    int64_t R = fm_tensor_stored_rows(t), C = fm_tensor_stored_cols(t), E = fm_tensor_experts(t);
+    const int64_t lim = (int64_t)1 << 56;
+    if (R > lim || C > lim || E < 0)
+        return -1;
+    int64_t n = fm_scale_count_2d(t->scale_mode, t->scale_layout, R, C);
+    return n > 0 && E > INT64_MAX / n ? -1 : E * n;
 }
 
 int64_t fm_tensor_grouped_scale_count(const fm_tensor *t, const fm_splits *splits)
@@ -157,7 +165,7 @@ int64_t fm_tensor_scale_nbytes(const fm_tensor *t)
     if (n < 0)
         return -1;
     int bits = fm_dtype_bits(t->scale_dtype);
-    return bits >= 8 ? n * (bits / 8) : -1;
+    return bits >= 8 && n <= INT64_MAX / (bits / 8) ? n * (bits / 8) : -1;
 }
 
 int fm_dtype_bits(fm_dtype d)
