@@ -635,8 +635,9 @@ static int gm_cluster_size(void)
     return cl;
 }
 
-/* A 2-D tensor map: `outer` rows of `inner` elements of `esize` bytes, row
- * pitch `pitch` bytes, boxes of box_inner x box_outer. */
+/* A 2-D tensor map: `outer` rows of `inner` elements (F32, or bytes with the
+ * 128-byte swizzle wgmma reads), row pitch `pitch` bytes, boxes of
+ * box_inner x box_outer. */
 static fm_status gm_map(fm_context *ctx, CUtensorMap *m, const void *base, int fp32, int64_t inner, int64_t outer,
                         int64_t pitch, int box_inner, int box_outer, const char *what)
 {
@@ -714,7 +715,7 @@ extern "C" fm_status fm_cuda_gemm_sm90(fm_context *ctx, const fm_gemm_config *cf
     else
         p.host_splits[0] = (int)S;
     /* maps[2]: A's scales viewed as nkb rows of R4 floats (GEMM layout), one
-     * box = the 128 rows of a tile in one K block (and up to 4 before them).
+     * box = the GM_BM rows of a tile in one K block (and up to 4 before them).
      * Unused for TENSOR scales. */
     CUtensorMap maps[3];
     memset(maps, 0, sizeof maps);
