@@ -32,8 +32,10 @@ static int kv_cmp(const void *a, const void *b)
 static void ref_scores(int sig, const float *x, int E, float *s)
 {
     if (sig) {
-        for (int e = 0; e < E; e++)
-            s[e] = 1.0f / (1.0f + fm_expf(-x[e]));
+        for (int e = 0; e < E; e++) { /* 1 / (1 + e^-x), through e^-|x| as mathfn.h defines it */
+            float ex = fm_expf(-fabsf(x[e])), q = 1.0f / (1.0f + ex);
+            s[e] = x[e] >= 0.0f ? q : ex * q;
+        }
         return;
     }
     float m = x[0], ex[512];

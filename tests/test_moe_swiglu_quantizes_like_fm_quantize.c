@@ -156,7 +156,8 @@ int main(void)
         for (int64_t m = 0; m < M; m++)
             for (int64_t i = 0; i < I; i++) {
                 float g = in.dec[m * 2 * I + i], u = in.dec[m * 2 * I + I + i];
-                float s = 1.0f / (1.0f + fm_expf(-g)), a = g * s, v = a * u;
+                float e = fm_expf(-fabsf(g)), q = 1.0f / (1.0f + e), s = g >= 0.0f ? q : e * q;
+                float a = g * s, v = a * u;
                 h[m * I + i] = use_p ? v * p[m] : v;
             }
         outs o;
@@ -181,8 +182,9 @@ int main(void)
         for (int64_t m = 0; m < M; m++) {
             for (int64_t i = 0; i < I; i++) {
                 float g = in.dec[m * 2 * I + i], u = in.dec[m * 2 * I + I + i], d = dh.dec[m * I + i];
-                float e = fm_expf(-g), s = 1.0f / (1.0f + e), a = g * s;
-                float sn = isinf(e) ? 1.0f : e * s; /* sigmoid(-g) = e^-g sigmoid(g) */
+                /* sigmoid(+-g) from e^-|g|, as mathfn.h defines them */
+                float e = fm_expf(-fabsf(g)), r = 1.0f / (1.0f + e), s = g >= 0.0f ? r : e * r;
+                float sn = g >= 0.0f ? e * r : r, a = g * s;
                 float ds = s * fmaf(g, sn, 1.0f);
                 float q = use_p ? d * p[m] : d;
                 din[m * 2 * I + I + i] = q * a;

@@ -31,15 +31,60 @@ FM_HD float fm_divf(float a, float b)
 #endif
 }
 
-/* 1 / x correctly rounded; on the device the rn reciprocal, the same bits
- * as the division and cheaper than it. */
-FM_HD float fm_rcpf(float x)
+/* e^x for x already in [-104, 89] (steps 2 to 4):
+ *  2. n = round(x / ln 2) by the 1.5 * 2^23 trick (|x / ln 2| < 151, so the
+ *     add rounds to an integer exactly, ties to even); n is read from the
+ *     bits of t = 1.5 * 2^23 + n, whose ulp is 1 there.
+ *  3. r = x - n ln 2 with a Cody-Waite split of ln 2: LN2_HI has 16
+ *     significant bits, so n * LN2_HI is exact for |n| <= 150 and the first
+ *     fmaf loses nothing; LN2_LO carries the rest. |r| <= 0.3466.
+ *  4. e^r by its degree-7 Taylor polynomial in Horner form with fmaf (the
+ *     truncation error r^8 / 8! < 6e-9 relative, a tenth of an ulp), then
+ *     times 2^n as (p * 2^n1) * 2^(n - n1), both powers normal and the first
+ *     product exact, so that the result is p * 2^n rounded once (subnormal
+ *     results and the overflow to +Inf included; results below 2^-150 round
+ *     to +0 by themselves).
+ * fm_exp_poly does steps 2 and 3 and the polynomial; fm_exp_clamped and
+ * fm_exp_nonpos split n two ways that give the same bits. */
+FM_HD float fm_exp_poly(float xc, int *n)
 {
-#if defined(__CUDA_ARCH__)
-    return __frcp_rn(x);
-#else
-    return 1.0f / x;
-#endif
+    const float LOG2E = 1.44269502f;
+    const float LN2_HI = 0.693145752f; /* 0x3F317200: 16 significant bits */
+    const float LN2_LO = 1.42860677e-06f; /* ln 2 - LN2_HI, rounded to F32 */
+    const float SHIFT = 12582912.0f;      /* 1.5 * 2^23, bits 0x4B400000 */
+    float t = xc * LOG2E + SHIFT;
+    float nf = t - SHIFT;
+    *n = (int)(fm_f32_bits(t) - 0x4B400000u);
+    float r = fmaf(-nf, LN2_HI, xc);
+    r = fmaf(-nf, LN2_LO, r);
+    float p = 1.98412698e-04f; /* 1/7! */
+    p = fmaf(p, r, 1.38888889e-03f); /* 1/6! */
+    p = fmaf(p, r, 8.33333333e-03f); /* 1/5! */
+    p = fmaf(p, r, 4.16666667e-02f); /* 1/4! */
+    p = fmaf(p, r, 1.66666667e-01f); /* 1/3! */
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.0f);
+    return fmaf(p, r, 1.0f);
+}
+
+/* x in [-104, 89]: n in [-151, 129], n1 = n / 2 keeps both powers normal. */
+FM_HD float fm_exp_clamped(float xc)
+{
+    int n;
+    const float p = fm_exp_poly(xc, &n);
+    const int n1 = n / 2;
+    return (p * fm_bits_f32((uint32_t)(n1 + 127) << 23)) * fm_bits_f32((uint32_t)(n - n1 + 127) << 23);
+}
+
+/* x in [-104, 0] (the sigmoid's e^-|g|): n in [-151, 0]; n1 = max(n, -125)
+ * keeps p * 2^n1 normal (p >= 0.7) and n - n1 >= -26; fm_exp_clamped's bits
+ * in fewer integer operations (no signed halving). */
+FM_HD float fm_exp_nonpos(float xc)
+{
+    int n;
+    const float p = fm_exp_poly(xc, &n);
+    const int n1 = n > -125 ? n : -125;
+    return (p * fm_bits_f32((uint32_t)(n1 + 127) << 23)) * fm_bits_f32((uint32_t)(n - n1 + 127) << 23);
 }
 
 /* e^x with at most 1 ulp of error (tests/test_mathfn_exp_is_accurate bounds
@@ -51,78 +96,99 @@ FM_HD float fm_rcpf(float x)
  *     x > 88.72284 (ln of the largest F32, rounded up) -> +Inf, which covers
  *     +Inf; x < -103.97208 (below ln 2^-150, where every result rounds to 0)
  *     -> +0, which covers -Inf.
- *  2. n = round(x / ln 2) by the 1.5 * 2^23 trick (|x / ln 2| < 151, so the
- *     add rounds to an integer exactly, ties to even); n is read from the
- *     bits of t = 1.5 * 2^23 + n, whose ulp is 1 there.
- *  3. r = x - n ln 2 with a Cody-Waite split of ln 2: LN2_HI has 16
- *     significant bits, so n * LN2_HI is exact for |n| <= 150 and the first
- *     fmaf loses nothing; LN2_LO carries the rest. |r| <= 0.3466.
- *  4. e^r by its degree-7 Taylor polynomial in Horner form with fmaf (the
- *     truncation error r^8 / 8! < 6e-9 relative, a tenth of an ulp), then
- *     times 2^n as (p * 2^n1) * 2^(n - n1) with n1 = n / 2: both
- *     powers are normal for n in [-151, 129], the first product is exact,
- *     so the result is p * 2^n rounded once (subnormal results and the
- *     overflow to +Inf included). An exhaustive comparison over all 2^32
+ *  2.-4. fm_exp_clamped above. An exhaustive comparison over all 2^32
  *     inputs gave the same bits as the earlier branchy form. */
 FM_HD float fm_expf(float x)
 {
-    const float LOG2E = 1.44269502f;
-    const float LN2_HI = 0.693145752f; /* 0x3F317200: 16 significant bits */
-    const float LN2_LO = 1.42860677e-06f; /* ln 2 - LN2_HI, rounded to F32 */
-    const float SHIFT = 12582912.0f;      /* 1.5 * 2^23, bits 0x4B400000 */
     float xc = x < 89.0f ? x : 89.0f;
     xc = xc > -104.0f ? xc : -104.0f;
-    float t = xc * LOG2E + SHIFT;
-    float nf = t - SHIFT;
-    int n = (int)(fm_f32_bits(t) - 0x4B400000u);
-    float r = fmaf(-nf, LN2_HI, xc);
-    r = fmaf(-nf, LN2_LO, r);
-    float p = 1.98412698e-04f; /* 1/7! */
-    p = fmaf(p, r, 1.38888889e-03f); /* 1/6! */
-    p = fmaf(p, r, 8.33333333e-03f); /* 1/5! */
-    p = fmaf(p, r, 4.16666667e-02f); /* 1/4! */
-    p = fmaf(p, r, 1.66666667e-01f); /* 1/3! */
-    p = fmaf(p, r, 0.5f);
-    p = fmaf(p, r, 1.0f);
-    p = fmaf(p, r, 1.0f);
-    const int n1 = n / 2;
-    float y = (p * fm_bits_f32((uint32_t)(n1 + 127) << 23)) * fm_bits_f32((uint32_t)(n - n1 + 127) << 23);
+    float y = fm_exp_clamped(xc);
     y = x > 88.72284f ? fm_bits_f32(0x7F800000u) : y;
     y = x < -103.97208f ? 0.0f : y;
     return fm_f32_is_nan(x) ? fm_bits_f32(FM_F32_CANON_NAN) : y;
 }
 
-/* sigmoid(x) = 1 / (1 + e^-x): three rounded operations after fm_expf.
- * -Inf -> 0, +Inf -> 1, NaN -> NaN. */
+/* 1 / x correctly rounded, for x in [1, 2] only (the sigmoid's 1 + e^-|g|).
+ * On the device: the approximate reciprocal and one Newton step, which is
+ * __frcp_rn's fast path without its range check and the call to its slow
+ * path (the check is for results outside the normal range, which [1, 2]
+ * never gives); tests/gpu/test_cuda_mathfn_equals_host compares every F32 of
+ * [1, 2] with the host's division. */
+FM_HD float fm_rcp_1to2f(float x)
+{
+#if defined(__CUDA_ARCH__)
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return fmaf(r, fmaf(-x, r, 1.0f), r);
+#else
+    return 1.0f / x;
+#endif
+}
+
+/* sigmoid(g) and sigmoid(-g) from one exponential of a non-positive
+ * argument, so that the reciprocal's operand stays in [1, 2] and nothing
+ * overflows:
+ *   e = e^-|g| (fm_exp_nonpos of max(-|g|, -104): e^-104 already rounds
+ *     to +0), q = 1 / (1 + e), and
+ *   (sigmoid(g), sigmoid(-g)) = (q, e q) for g >= 0, (e q, q) otherwise.
+ * Both are within 3 ulps; sigmoid(-Inf) = 0, sigmoid(+Inf) = 1. A NaN g
+ * gives finite values here (the callers make their own NaN). */
+FM_HD void fm_sigmoid_pm(float g, float *sp, float *sn)
+{
+    float x = fm_bits_f32(fm_f32_bits(g) | 0x80000000u); /* -|g| */
+    x = x > -104.0f ? x : -104.0f;                        /* NaN -> -104 too */
+    const float e = fm_exp_nonpos(x);
+    const float q = fm_rcp_1to2f(1.0f + e);
+    const float eq = e * q;
+    *sp = g >= 0.0f ? q : eq;
+    *sn = g >= 0.0f ? eq : q;
+}
+
+/* sigmoid(g) as fm_sigmoid_pm computes it; NaN -> canonical NaN. */
 FM_HD float fm_sigmoidf(float x)
 {
-    return fm_f32_canon(fm_rcpf(1.0f + fm_expf(-x)));
+    float sp, sn;
+    fm_sigmoid_pm(x, &sp, &sn);
+    return fm_f32_is_nan(x) ? fm_bits_f32(FM_F32_CANON_NAN) : sp;
 }
 
-/* silu(g) = g * sigmoid(g), one more rounded multiply. silu(+Inf) = +Inf,
- * silu(-Inf) = NaN (-Inf * 0): a non-finite input never becomes a finite
- * output. */
+/* silu(g) and d silu / dg = s * (1 + g * (1 - s)) with s = sigmoid(g), both
+ * from fm_sigmoid_pm's pair (1 - s taken as sigmoid(-g), which keeps its
+ * digits where s is close to 1), NaN payloads as they come:
+ *   silu = g * s, dsilu = s * fmaf(g, sigmoid(-g), 1).
+ * The fused kernels call this: their quantizer turns any NaN of a block into
+ * the block's NaN code, so a canonical NaN would be two wasted instructions
+ * an element. */
+FM_HD void fm_silu_dsilu_rawf(float g, float *silu, float *dsilu)
+{
+    float s, sn;
+    fm_sigmoid_pm(g, &s, &sn);
+    *silu = g * s;
+    *dsilu = s * fmaf(g, sn, 1.0f);
+}
+
+/* silu(g) = g * sigmoid(g), fm_silu_dsilu_rawf's first value. */
+FM_HD float fm_silu_rawf(float g)
+{
+    float s, sn;
+    fm_sigmoid_pm(g, &s, &sn);
+    return g * s;
+}
+
+/* silu with NaN made canonical. silu(+Inf) = +Inf, silu(-Inf) = NaN
+ * (-Inf * 0): a non-finite input never becomes a finite output. */
 FM_HD float fm_siluf(float g)
 {
-    return fm_f32_canon(g * fm_sigmoidf(g));
+    return fm_f32_canon(fm_silu_rawf(g));
 }
 
-/* silu(g) and d silu / dg = s * (1 + g * (1 - s)) with s = sigmoid(g), from
- * ONE exponential e = e^-g (the backward needs both, and the exponential is
- * most of their cost):
- *   s = 1 / (1 + e)                  (fm_sigmoidf's operations, same bits)
- *   silu = g * s                     (fm_siluf's bits)
- *   1 - s taken as sigmoid(-g) = e * s, which keeps its digits where s is
- *   close to 1; where e overflows (g < -88.72) it is 1, its rounded value;
- *   dsilu = s * fmaf(g, sigmoid(-g), 1).
- * dsilu(+-Inf) = NaN (Inf * 0 inside); finite inputs give finite outputs. */
+/* fm_silu_dsilu_rawf with NaN made canonical. dsilu(+-Inf) = NaN (Inf * 0
+ * inside); finite inputs give finite outputs. */
 FM_HD void fm_silu_dsiluf(float g, float *silu, float *dsilu)
 {
-    const float e = fm_expf(-g);
-    const float s = fm_rcpf(1.0f + e);
-    const float sn = fm_f32_bits(e) == 0x7F800000u ? 1.0f : e * s;
-    *silu = fm_f32_canon(g * s);
-    *dsilu = fm_f32_canon(s * fmaf(g, sn, 1.0f));
+    fm_silu_dsilu_rawf(g, silu, dsilu);
+    *silu = fm_f32_canon(*silu);
+    *dsilu = fm_f32_canon(*dsilu);
 }
 
 FM_HD float fm_dsiluf(float g)

@@ -1,8 +1,9 @@
 /* mathfn.h on the device gives the host's bits: fm_expf, fm_sigmoidf,
  * fm_siluf and fm_dsiluf over 2^24 F32 patterns spread over the whole bit
  * range (every sign, exponent and a spread of mantissas, NaN and Inf
- * included). The SwiGLU and router kernels are only bit-exact with the CPU
- * if these are. */
+ * included), and fm_rcp_1to2f (the device's reciprocal without the range
+ * check of __frcp_rn) on every F32 of [1, 2]. The SwiGLU and router kernels
+ * are only bit-exact with the CPU if these are. */
 #include <stdio.h>
 
 #include "flowmoe/mathfn.h"
@@ -22,6 +23,15 @@ __global__ void eval_kernel(uint32_t *out)
         out[SILU * N + i] = __float_as_uint(fm_siluf(x));
         out[DSILU * N + i] = __float_as_uint(fm_dsiluf(x));
     }
+}
+
+/* every F32 of [1, 2]: 2^23 + 1 of them */
+#define NR ((1u << 23) + 1)
+
+__global__ void rcp_kernel(uint32_t *out)
+{
+    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < NR; i += gridDim.x * blockDim.x)
+        out[i] = __float_as_uint(fm_rcp_1to2f(__uint_as_float(0x3F800000u + i)));
 }
 
 int main(void)
@@ -46,6 +56,19 @@ int main(void)
     }
     for (int f = 0; f < NF; f++)
         printf("%-12s %u patterns, %ld differ\n", names[f], N, bad[f]);
+
+    GT_CUDA(cudaMemset(d, 0xA5, (size_t)NR * 4));
+    rcp_kernel<<<1024, 256>>>(d);
+    GT_CUDA(cudaGetLastError());
+    GT_CUDA(cudaMemcpy(h, d, (size_t)NR * 4, cudaMemcpyDeviceToHost));
+    long rbad = 0;
+    for (uint32_t i = 0; i < NR; i++) {
+        const float x = fm_bits_f32(0x3F800000u + i);
+        const uint32_t want = fm_f32_bits(1.0f / x);
+        if (h[i] != want && rbad++ < 3)
+            GT_CHECK(0, "fm_rcp_1to2f(%a): device 0x%08x, host 1/x 0x%08x", (double)x, h[i], want);
+    }
+    printf("%-12s %u values of [1, 2], %ld differ\n", "fm_rcp_1to2f", NR, rbad);
     cudaFree(d);
     free(h);
     fm_context_destroy(ctx);
