@@ -78,28 +78,41 @@ FM_DI void sw_e2m1x8(uint32_t w, float s, float *x)
         x[k] = fm_fast_e2m1_to_f32((w >> (4 * k)) & 0xFu) * s;
 }
 
-/* Gate and up values of row m, columns [col, col + 8), exact F32 (the scale
- * dtype follows the mode: F32 for 1x128, E8M0 for MX32). */
+/* Row m of `in` (codes) and of its compact scales. */
 template <int IN>
-FM_DI void sw_load_gu(const swparams &p, int64_t m, int64_t col, float *g, float *u)
+FM_DI const uint8_t *sw_in_row(const swparams &p, int64_t m)
 {
-    const int64_t I = p.I;
+    const int64_t bytes = IN == FM_DTYPE_BF16 ? 4 * p.I : IN == FM_DTYPE_E4M3 ? 2 * p.I : p.I;
+    return (const uint8_t *)p.in + m * bytes;
+}
+
+template <int IN>
+FM_DI const uint8_t *sw_in_srow(const swparams &p, int64_t m)
+{
+    if (IN == FM_DTYPE_E4M3)
+        return (const uint8_t *)((const float *)p.in_scale + m * (2 * p.I / 128));
+    if (IN == FM_DTYPE_E2M1)
+        return (const uint8_t *)p.in_scale + m * (2 * p.I / 32);
+    return NULL; /* BF16 has no scales */
+}
+
+/* Gate and up values of one row, columns [col, col + 8), exact F32 (the
+ * scale dtype follows the mode: F32 for 1x128, E8M0 for MX32). Offsets
+ * within a row are 32-bit (fused_setup checks 2I < 2^31). */
+template <int IN>
+FM_DI void sw_load_gu(const uint8_t *row, const uint8_t *srow, int I, int col, float *g, float *u)
+{
     if (IN == FM_DTYPE_BF16) {
-        const uint16_t *row = (const uint16_t *)p.in + m * 2 * I;
-        sw_bf16x8(__ldcs((const uint4 *)(row + col)), g);
-        sw_bf16x8(__ldcs((const uint4 *)(row + I + col)), u);
+        const uint16_t *r = (const uint16_t *)row;
+        sw_bf16x8(__ldcs((const uint4 *)(r + col)), g);
+        sw_bf16x8(__ldcs((const uint4 *)(r + I + col)), u);
     } else if (IN == FM_DTYPE_E4M3) {
-        const uint8_t *row = (const uint8_t *)p.in + m * 2 * I;
-        const int64_t sb = m * (2 * I / 128) + col / 128;
-        const float *sc = (const float *)p.in_scale;
-        sw_e4m3x8(__ldcs((const uint2 *)(row + col)), sc[sb], g);
-        sw_e4m3x8(__ldcs((const uint2 *)(row + I + col)), sc[sb + I / 128], u);
-    } else {
-        const uint8_t *row = (const uint8_t *)p.in + m * I; /* 2I nibbles */
-        const int64_t sb = m * (2 * I / 32) + col / 32;
-        const uint8_t *sc = (const uint8_t *)p.in_scale;
-        sw_e2m1x8(__ldcs((const unsigned int *)(row + col / 2)), fm_e8m0_to_f32(sc[sb]), g);
-        sw_e2m1x8(__ldcs((const unsigned int *)(row + (I + col) / 2)), fm_e8m0_to_f32(sc[sb + I / 32]), u);
+        const float *sc = (const float *)srow;
+        sw_e4m3x8(__ldcs((const uint2 *)(row + col)), sc[col / 128], g);
+        sw_e4m3x8(__ldcs((const uint2 *)(row + I + col)), sc[(I + col) / 128], u);
+    } else { /* 2I nibbles */
+        sw_e2m1x8(__ldcs((const unsigned int *)(row + col / 2)), fm_e8m0_to_f32(srow[col / 32]), g);
+        sw_e2m1x8(__ldcs((const unsigned int *)(row + (I + col) / 2)), fm_e8m0_to_f32(srow[(I + col) / 32]), u);
     }
 }
 
@@ -109,7 +122,7 @@ FM_DI void sw_load_gu(const swparams &p, int64_t m, int64_t col, float *g, float
  * call), the scale rule and encoding of the tile quantizer; lanes of a block
  * outside the matrix store nothing. */
 template <int ELEM, int GROUP>
-FM_DI void sw_put_block(const float *x, bool valid, float eps, int rule, uint8_t *codes, void *scale, int64_t sidx)
+FM_DI void sw_put_block(const float *x, bool valid, float eps, int rule, uint8_t *codes, void *scale, int sidx)
 {
     uint32_t a = 0;
 #pragma unroll
@@ -146,55 +159,75 @@ FM_DI void sw_put_block(const float *x, bool valid, float eps, int rule, uint8_t
     }
 }
 
-/* A row-wise quantized [M, C] output: lane's 8 values at (m, col). */
+/* A row-wise quantized output of C columns: the lane's 8 values at column
+ * col of the row whose codes start at `row` and compact scales at `srow`. */
 template <int ELEM>
-FM_DI void sw_put(const float *x, bool valid, float eps, int rule, uint8_t *data, void *scale, int64_t m, int64_t C,
-                  int64_t col)
+FM_DI void sw_put(const float *x, bool valid, float eps, int rule, uint8_t *row, uint8_t *srow, int col)
 {
     if (ELEM == FM_DTYPE_E2M1)
-        sw_put_block<ELEM, 4>(x, valid, eps, rule, data + (m * C + col) / 2, scale, m * (C / 32) + col / 32);
+        sw_put_block<ELEM, 4>(x, valid, eps, rule, row + col / 2, srow, col / 32);
     else
-        sw_put_block<ELEM, 16>(x, valid, eps, rule, data + m * C + col, scale, m * (C / 128) + col / 128);
+        sw_put_block<ELEM, 16>(x, valid, eps, rule, row + col, srow, col / 128);
+}
+
+/* Row m of a row-wise quantized [M, C] output: codes, then compact scales. */
+template <int ELEM>
+FM_DI uint8_t *sw_out_row(uint8_t *data, int64_t m, int64_t C)
+{
+    return data + (ELEM == FM_DTYPE_E2M1 ? m * C / 2 : m * C);
+}
+
+template <int ELEM>
+FM_DI uint8_t *sw_out_srow(void *scale, int64_t m, int64_t C)
+{
+    return ELEM == FM_DTYPE_E2M1 ? (uint8_t *)scale + m * (C / 32) : (uint8_t *)((float *)scale + m * (C / 128));
 }
 
 /* h = (silu(g) · u) · p into OUT 1x128; SV: in_saved's element dtype
- * (E4M3 1x128, E2M1 MX32) or 0. */
-template <int IN, int OUT, int SV>
+ * (E4M3 1x128, E2M1 MX32) or 0. FULL: I is a multiple of SW_CHUNK, so no
+ * lane is ever past the row's end. */
+template <int IN, int OUT, int SV, bool FULL>
 __global__ void __launch_bounds__(SW_THREADS) swiglu_fwd_fused_kernel(const swparams p)
 {
     const int lane = threadIdx.x & 31;
-    const int64_t I = p.I;
+    const int I = (int)p.I;
     for (uint32_t unit = blockIdx.x * SW_WARPS + (threadIdx.x >> 5); unit < p.units; unit += gridDim.x * SW_WARPS) {
         const uint32_t m32 = fm_fastdiv_div(p.chdiv, unit);
-        const int64_t m = m32, col = (int64_t)(unit - m32 * p.nch) * SW_CHUNK + lane * 8;
-        const bool valid = col < I;
+        const int64_t m = m32;
+        const int col = (int)(unit - m32 * p.nch) * SW_CHUNK + lane * 8;
+        const bool valid = FULL || col < I;
         float g[8], u[8], h[8];
+        if (!FULL) {
 #pragma unroll
-        for (int k = 0; k < 8; k++)
-            g[k] = u[k] = 0.0f;
+            for (int k = 0; k < 8; k++)
+                g[k] = u[k] = 0.0f;
+        }
         if (valid)
-            sw_load_gu<IN>(p, m, col, g, u);
+            sw_load_gu<IN>(sw_in_row<IN>(p, m), sw_in_srow<IN>(p, m), I, col, g, u);
         const float pm = p.probs ? p.probs[m] : 0.0f;
 #pragma unroll
         for (int k = 0; k < 8; k++) {
-            const float v = fm_siluf(g[k]) * u[k];
+            const float v = fm_silu_rawf(g[k]) * u[k];
             h[k] = p.probs ? v * pm : v;
         }
-        sw_put<OUT>(h, valid, p.eps, p.out_rule, p.out, p.out_scale, m, I, col);
+        sw_put<OUT>(h, valid, p.eps, p.out_rule, sw_out_row<OUT>(p.out, m, I), sw_out_srow<OUT>(p.out_scale, m, I),
+                    col);
         if (SV) {
-            sw_put<SV>(g, valid, p.eps, p.sv_rule, p.sv, p.sv_scale, m, 2 * I, col);
-            sw_put<SV>(u, valid, p.eps, p.sv_rule, p.sv, p.sv_scale, m, 2 * I, I + col);
+            uint8_t *sr = sw_out_row<SV>(p.sv, m, 2 * (int64_t)I), *ss = sw_out_srow<SV>(p.sv_scale, m, 2 * (int64_t)I);
+            sw_put<SV>(g, valid, p.eps, p.sv_rule, sr, ss, col);
+            sw_put<SV>(u, valid, p.eps, p.sv_rule, sr, ss, I + col);
         }
     }
 }
 
-/* din = [dg | du] into OUT 1x128, and dprobs when p.dprobs is set. */
-template <int IN, int OUT>
+/* din = [dg | du] into OUT 1x128, and dprobs when p.dprobs is set; FULL as
+ * in the forward. */
+template <int IN, int OUT, bool FULL>
 __global__ void __launch_bounds__(SW_THREADS) swiglu_bwd_fused_kernel(const swparams p)
 {
     __shared__ __align__(16) float xs[SW_WARPS][2][SW_CHUNK];
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const int64_t I = p.I;
+    const int I = (int)p.I;
     const bool dp = p.dprobs != NULL;
     for (uint32_t unit = blockIdx.x * SW_WARPS + w; unit < p.units; unit += gridDim.x * SW_WARPS) {
         uint32_t m32, ch0, ch1;
@@ -209,29 +242,35 @@ __global__ void __launch_bounds__(SW_THREADS) swiglu_bwd_fused_kernel(const swpa
         }
         const int64_t m = m32;
         const float pm = p.probs ? p.probs[m] : 0.0f;
+        const uint8_t *in_row = sw_in_row<IN>(p, m), *in_srow = sw_in_srow<IN>(p, m);
+        const uint16_t *dh_row = p.dh + m * I;
+        uint8_t *out_row = sw_out_row<OUT>(p.out, m, 2 * (int64_t)I);
+        uint8_t *out_srow = sw_out_srow<OUT>(p.out_scale, m, 2 * (int64_t)I);
         float acc = 0.0f;
         for (uint32_t ch = ch0; ch < ch1; ch++) {
-            const int64_t c0 = (int64_t)ch * SW_CHUNK, col = c0 + lane * 8;
-            const bool valid = col < I;
+            const int c0 = (int)ch * SW_CHUNK, col = c0 + lane * 8;
+            const bool valid = FULL || col < I;
             float g[8], u[8], d[8], dg[8], du[8];
+            if (!FULL) {
 #pragma unroll
-            for (int k = 0; k < 8; k++)
-                g[k] = u[k] = d[k] = 0.0f;
+                for (int k = 0; k < 8; k++)
+                    g[k] = u[k] = d[k] = 0.0f;
+            }
             if (valid) {
-                sw_load_gu<IN>(p, m, col, g, u);
-                sw_bf16x8(__ldcs((const uint4 *)(p.dh + m * I + col)), d);
+                sw_load_gu<IN>(in_row, in_srow, I, col, g, u);
+                sw_bf16x8(__ldcs((const uint4 *)(dh_row + col)), d);
             }
 #pragma unroll
             for (int k = 0; k < 8; k++) {
                 float a, ds;
-                fm_silu_dsiluf(g[k], &a, &ds);
+                fm_silu_dsilu_rawf(g[k], &a, &ds);
                 const float q = p.probs ? d[k] * pm : d[k];
                 du[k] = q * a;
                 dg[k] = (q * u[k]) * ds;
                 u[k] = a * u[k]; /* a · u, what dprobs dots with dh */
             }
-            sw_put<OUT>(dg, valid, p.eps, p.out_rule, p.out, p.out_scale, m, 2 * I, col);
-            sw_put<OUT>(du, valid, p.eps, p.out_rule, p.out, p.out_scale, m, 2 * I, I + col);
+            sw_put<OUT>(dg, valid, p.eps, p.out_rule, out_row, out_srow, col);
+            sw_put<OUT>(du, valid, p.eps, p.out_rule, out_row, out_srow, I + col);
             if (dp) {
                 float *xd = xs[w][0], *xa = xs[w][1];
                 if (valid) {
@@ -244,7 +283,7 @@ __global__ void __launch_bounds__(SW_THREADS) swiglu_bwd_fused_kernel(const swpa
                 /* p_l = fmaf(dh_i, (a u)_i, p_l) for i = c0 + l + 32 n, increasing */
 #pragma unroll
                 for (int n = 0; n < SW_CHUNK / 32; n++)
-                    if (c0 + 32 * n < I)
+                    if (FULL || c0 + 32 * n < I)
                         acc = fmaf(xd[lane + 32 * n], xa[lane + 32 * n], acc);
                 __syncwarp();
             }
@@ -399,7 +438,7 @@ static int fused_setup(swparams *p, const fm_quant_config *cfg, const fm_tensor 
     if (cfg->amax || cfg->nonfinite_blocks || M <= 0 || I <= 0 || I % 128)
         return 0;
     const int64_t nch = fm_cdiv(I, SW_CHUNK), units = by_row ? M : M * nch;
-    if (units >= ((int64_t)1 << 31))
+    if (units >= ((int64_t)1 << 31) || 2 * I >= ((int64_t)1 << 31)) /* 32-bit unit and column indices */
         return 0;
     memset(p, 0, sizeof *p);
     p->in = in->data;
@@ -425,9 +464,12 @@ static unsigned fused_grid(uint32_t units)
 static cudaError_t launch_fwd(const swparams &p, int in, int out, int sv, cudaStream_t s)
 {
     const unsigned g = fused_grid(p.units);
-#define FM_SW_FWD(IN_, OUT_, SV_)                                                  \
-    if (in == IN_ && out == OUT_ && sv == SV_)                                     \
-        swiglu_fwd_fused_kernel<IN_, OUT_, SV_><<<g, SW_THREADS, 0, s>>>(p);       \
+    const bool full = p.I % SW_CHUNK == 0;
+#define FM_SW_FWD(IN_, OUT_, SV_)                                                   \
+    if (in == IN_ && out == OUT_ && sv == SV_ && full)                              \
+        swiglu_fwd_fused_kernel<IN_, OUT_, SV_, true><<<g, SW_THREADS, 0, s>>>(p);  \
+    else if (in == IN_ && out == OUT_ && sv == SV_)                                 \
+        swiglu_fwd_fused_kernel<IN_, OUT_, SV_, false><<<g, SW_THREADS, 0, s>>>(p); \
     else
 #define FM_SW_FWD_OUT(OUT_)                                                        \
     FM_SW_FWD(FM_DTYPE_BF16, OUT_, 0)                                              \
@@ -444,9 +486,12 @@ static cudaError_t launch_fwd(const swparams &p, int in, int out, int sv, cudaSt
 static cudaError_t launch_bwd(const swparams &p, int in, int out, cudaStream_t s)
 {
     const unsigned g = fused_grid(p.units);
+    const bool full = p.I % SW_CHUNK == 0;
 #define FM_SW_BWD(IN_, OUT_)                                                       \
-    if (in == IN_ && out == OUT_)                                                  \
-        swiglu_bwd_fused_kernel<IN_, OUT_><<<g, SW_THREADS, 0, s>>>(p);            \
+    if (in == IN_ && out == OUT_ && full)                                          \
+        swiglu_bwd_fused_kernel<IN_, OUT_, true><<<g, SW_THREADS, 0, s>>>(p);      \
+    else if (in == IN_ && out == OUT_)                                             \
+        swiglu_bwd_fused_kernel<IN_, OUT_, false><<<g, SW_THREADS, 0, s>>>(p);     \
     else
     FM_SW_BWD(FM_DTYPE_BF16, FM_DTYPE_E4M3) FM_SW_BWD(FM_DTYPE_E4M3, FM_DTYPE_E4M3)
     FM_SW_BWD(FM_DTYPE_E2M1, FM_DTYPE_E4M3) FM_SW_BWD(FM_DTYPE_BF16, FM_DTYPE_E5M2)
