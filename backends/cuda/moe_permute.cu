@@ -4,7 +4,7 @@
  *      of the chunk's experts (shared-memory counters, then one atomic add
  *      per chunk and expert into the totals; integer counts are order-free)
  *      and a flag for ids out of range (-1, a slot with no expert, is
- *      skipped: its slot_rows entry keeps the -1 the memset put there);
+ *      skipped);
  *   2. one block: padded sizes, offsets and splits (a block scan), a flag
  *      when the routing needs more than R rows, and each chunk's first row
  *      per expert (the expert's offset plus the counts of the chunks
@@ -12,15 +12,19 @@
  *   3. each warp walks its chunk again in slot order, 32 slots a step: lanes
  *      with the same expert find each other (match.any) and take
  *      consecutive rows after the chunk's running counter, so rows follow
- *      the source slot as on the CPU; skipped when a flag is up, so nothing
- *      is ever written past R;
+ *      the source slot as on the CPU; slots with no expert, and every slot
+ *      of a flagged call, get slot_rows -1, so nothing is ever written past
+ *      R;
  *   4. one block per token reads its row of codes and compact scales once
  *      and writes it to each of its slots' rows: the input is read once,
  *      not k times as a gather by output row reads it;
- *   5. the output rows that no slot took (each expert's padding, known
- *      from step 2, and the rows past the need) get zeros, scale 1, prob 0.
- * A flagged call is reported as FM_ERR_INVALID_ARG when host_splits makes
- * it synchronise; otherwise its outputs hold zero rows and row_map -1. */
+ *   5. in the same launch, other blocks give the output rows that no slot
+ *      took (each expert's padding, known from step 2, and the rows past the
+ *      need) zeros, scale 1, prob 0 and row_map -1.
+ * Every entry of row_map and slot_rows is written by steps 3 and 5, so no
+ * memset runs before them. A flagged call is reported as
+ * FM_ERR_INVALID_ARG when host_splits makes it synchronise; otherwise its
+ * outputs hold zero rows and row_map -1. */
 #include "cuda.h"
 #include "moe_common.cuh"
 
@@ -79,10 +83,12 @@ FM_DI T perm_warp_scan(T x, int lane)
     return x;
 }
 
+#define PERM_BATCH 8
+
 /* cnt_off: counts in, offsets out; padbeg: each expert's first padding row;
  * hist: per-chunk counts in, each chunk's first row per expert out. The
  * padded sizes are scanned by the whole block, 1024 experts at a time. */
-__global__ void perm_offsets_kernel(unsigned long long *cnt_off, int64_t *padbeg, int E, int64_t pad, int64_t R,
+__global__ void __launch_bounds__(1024, 1) perm_offsets_kernel(unsigned long long *cnt_off, int64_t *padbeg, int E, int64_t pad, int64_t R,
                                     int64_t *splits, int *flag, int64_t *need, uint32_t *hist, int64_t nchunk)
 {
     __shared__ int64_t wsum[32];
@@ -120,17 +126,34 @@ __global__ void perm_offsets_kernel(unsigned long long *cnt_off, int64_t *padbeg
     __syncthreads();
     if (*flag)
         return;
-    /* A warp per expert scans its chunk counts 32 at a time. Rows stay
-     * below R <= 2^31 (row_map is I32), so the bases fit 32 bits. */
+    /* A warp per expert: lane l owns a run of consecutive chunks, sums
+     * their counts, one warp scan gives each lane its first row, and the
+     * lane walks its run again writing the chunks' first rows. (A scan of
+     * 32 chunks at a time chained 5 shuffles per step through all nchunk /
+     * 32 steps: 29 us for one launch at 512 chunks.) Loads go PERM_BATCH at
+     * a time, ahead of the stores. Rows stay below R <= 2^31 (row_map is
+     * I32), so the bases fit 32 bits. */
+    const int64_t per = (nchunk + 31) / 32, c0 = lane * per, c1 = c0 + per < nchunk ? c0 + per : nchunk;
     for (int e = w; e < E; e += nw) {
-        uint32_t base = (uint32_t)cnt_off[e];
-        for (int64_t c0 = 0; c0 < nchunk; c0 += 32) {
-            const int64_t c = c0 + lane;
-            const uint32_t v = c < nchunk ? hist[c * E + e] : 0;
-            const uint32_t x = perm_warp_scan(v, lane);
-            if (c < nchunk)
-                hist[c * E + e] = base + x - v;
-            base += __shfl_sync(0xFFFFFFFFu, x, 31);
+        uint32_t sum = 0;
+        for (int64_t c = c0; c < c1; c += PERM_BATCH) {
+#pragma unroll
+            for (int u = 0; u < PERM_BATCH; u++)
+                sum += c + u < c1 ? hist[(c + u) * E + e] : 0u;
+        }
+        const uint32_t x = perm_warp_scan(sum, lane);
+        uint32_t run = (uint32_t)cnt_off[e] + x - sum;
+        for (int64_t c = c0; c < c1; c += PERM_BATCH) {
+            uint32_t v[PERM_BATCH];
+#pragma unroll
+            for (int u = 0; u < PERM_BATCH; u++)
+                v[u] = c + u < c1 ? hist[(c + u) * E + e] : 0u;
+#pragma unroll
+            for (int u = 0; u < PERM_BATCH; u++)
+                if (c + u < c1) {
+                    hist[(c + u) * E + e] = run;
+                    run += v[u];
+                }
         }
     }
 }
@@ -140,17 +163,20 @@ __global__ void perm_place_kernel(const int32_t *__restrict__ ids, int64_t n, in
                                   int32_t *__restrict__ row_map)
 {
     extern __shared__ uint32_t perm_sh[];
-    if (*flag)
-        return;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int64_t c = (int64_t)blockIdx.x * (blockDim.x >> 5) + w;
     if (c >= nchunk)
         return;
+    const int64_t s1 = c * ch + ch < n ? c * ch + ch : n;
+    if (*flag) { /* a flagged call places nothing */
+        for (int64_t s = c * ch + lane; s < s1; s += 32)
+            slot_rows[s] = -1;
+        return;
+    }
     uint32_t *run = perm_sh + (int64_t)w * E;
     for (int e = lane; e < E; e += 32)
         run[e] = base[c * E + e];
     __syncwarp();
-    const int64_t s1 = c * ch + ch < n ? c * ch + ch : n;
     const unsigned below = (1u << lane) - 1u;
     for (int64_t s0 = c * ch; s0 < s1; s0 += 32) {
         const int64_t s = s0 + lane;
@@ -161,6 +187,8 @@ __global__ void perm_place_kernel(const int32_t *__restrict__ ids, int64_t n, in
             row = run[e] + __popc(peers & below);
             slot_rows[s] = (int32_t)row;
             row_map[row] = (int32_t)s;
+        } else if (s < s1) {
+            slot_rows[s] = -1; /* a dropped slot */
         }
         __syncwarp();
         if (e >= 0 && (peers & below) == 0)
@@ -169,31 +197,46 @@ __global__ void perm_place_kernel(const int32_t *__restrict__ ids, int64_t n, in
     }
 }
 
-#define PERM_SCATTER_THREADS 128
+#define PERM_MOVE_THREADS 128
 #define PERM_UNROLL 4
 
-__global__ void __launch_bounds__(PERM_SCATTER_THREADS)
-    perm_scatter_kernel(const uint8_t *__restrict__ x, const uint8_t *__restrict__ xs,
-                        const int32_t *__restrict__ slot_rows, const float *__restrict__ probs, int64_t k, int64_t rb,
-                        int64_t sb, int vec, int svec, uint8_t *__restrict__ out, uint8_t *__restrict__ outs,
-                        float *__restrict__ out_probs)
+/* What the moving kernel needs: the rows, the scatter's slot rows, and the
+ * fill's segment bounds from perm_offsets_kernel. */
+typedef struct perm_move {
+    const uint8_t *x, *xs;       /* [T, rb] codes, [T, sb] compact scales */
+    const int32_t *slot_rows;
+    const float *probs;
+    uint8_t *out, *outs;
+    float *out_probs;
+    int32_t *row_map;
+    const unsigned long long *off;
+    const int64_t *splits, *padbeg, *need;
+    const int *flag;
+    int64_t T, k, rb, sb, R;
+    int E, vec, svec, fvec, e8;
+    unsigned fill_blocks;
+} perm_move;
+
+/* Token t's row of codes and scales, read once, written to each of its
+ * slots' rows. */
+FM_DI void perm_scatter_row(const perm_move &p, int64_t t)
 {
-    const int64_t t = blockIdx.x;
-    const int32_t *dst = slot_rows + t * k;
+    const int32_t *dst = p.slot_rows + t * p.k;
+    const int64_t k = p.k, rb = p.rb, sb = p.sb;
     int any = 0;
     for (int64_t j = 0; j < k; j++)
         any |= dst[j] >= 0;
     if (!any)
         return; /* every choice dropped: nothing reads this row */
     const int tid = threadIdx.x;
-    if (vec) {
-        const uint4 *src = (const uint4 *)(x + t * rb);
+    if (p.vec) {
+        const uint4 *src = (const uint4 *)(p.x + t * rb);
         const int64_t n16 = rb / 16;
-        for (int64_t i0 = 0; i0 < n16; i0 += PERM_UNROLL * PERM_SCATTER_THREADS) {
+        for (int64_t i0 = 0; i0 < n16; i0 += PERM_UNROLL * PERM_MOVE_THREADS) {
             uint4 v[PERM_UNROLL];
 #pragma unroll
             for (int u = 0; u < PERM_UNROLL; u++) {
-                const int64_t i = i0 + u * PERM_SCATTER_THREADS + tid;
+                const int64_t i = i0 + u * PERM_MOVE_THREADS + tid;
                 if (i < n16)
                     v[u] = __ldcs(src + i);
             }
@@ -201,92 +244,106 @@ __global__ void __launch_bounds__(PERM_SCATTER_THREADS)
                 const int32_t d = dst[j];
                 if (d < 0)
                     continue;
-                uint4 *o = (uint4 *)(out + (int64_t)d * rb);
+                uint4 *o = (uint4 *)(p.out + (int64_t)d * rb);
 #pragma unroll
                 for (int u = 0; u < PERM_UNROLL; u++) {
-                    const int64_t i = i0 + u * PERM_SCATTER_THREADS + tid;
+                    const int64_t i = i0 + u * PERM_MOVE_THREADS + tid;
                     if (i < n16)
                         o[i] = v[u];
                 }
             }
         }
     } else {
-        const uint8_t *src = x + t * rb;
-        for (int64_t i = tid; i < rb; i += PERM_SCATTER_THREADS) {
+        const uint8_t *src = p.x + t * rb;
+        for (int64_t i = tid; i < rb; i += PERM_MOVE_THREADS) {
             const uint8_t v = src[i];
             for (int64_t j = 0; j < k; j++)
                 if (dst[j] >= 0)
-                    out[(int64_t)dst[j] * rb + i] = v;
+                    p.out[(int64_t)dst[j] * rb + i] = v;
         }
     }
     if (sb) {
-        if (svec) {
-            const uint32_t *ss = (const uint32_t *)(xs + t * sb);
-            for (int64_t i = tid; i < sb / 4; i += PERM_SCATTER_THREADS) {
+        if (p.svec) {
+            const uint32_t *ss = (const uint32_t *)(p.xs + t * sb);
+            for (int64_t i = tid; i < sb / 4; i += PERM_MOVE_THREADS) {
                 const uint32_t v = ss[i];
                 for (int64_t j = 0; j < k; j++)
                     if (dst[j] >= 0)
-                        ((uint32_t *)(outs + (int64_t)dst[j] * sb))[i] = v;
+                        ((uint32_t *)(p.outs + (int64_t)dst[j] * sb))[i] = v;
             }
         } else {
-            const uint8_t *ss = xs + t * sb;
-            for (int64_t i = tid; i < sb; i += PERM_SCATTER_THREADS) {
+            const uint8_t *ss = p.xs + t * sb;
+            for (int64_t i = tid; i < sb; i += PERM_MOVE_THREADS) {
                 const uint8_t v = ss[i];
                 for (int64_t j = 0; j < k; j++)
                     if (dst[j] >= 0)
-                        outs[(int64_t)dst[j] * sb + i] = v;
+                        p.outs[(int64_t)dst[j] * sb + i] = v;
             }
         }
     }
-    if (out_probs)
-        for (int64_t j = tid; j < k; j += PERM_SCATTER_THREADS)
+    if (p.out_probs)
+        for (int64_t j = tid; j < k; j += PERM_MOVE_THREADS)
             if (dst[j] >= 0)
-                out_probs[dst[j]] = probs[t * k + j];
+                p.out_probs[dst[j]] = p.probs[t * k + j];
 }
 
-/* Rows no slot took: zero codes, scale 1 (E8M0 127), prob 0. They are
- * known without looking: segment y < E is expert y's padding, [padbeg,
- * offset + P), segment E the rows past the need (every row of a flagged
- * call); blocks stride over a segment's rows, a block a row at a time. */
-__global__ void __launch_bounds__(128)
-    perm_fill_kernel(const unsigned long long *off, const int64_t *splits, const int64_t *padbeg,
-                     const int64_t *need, const int *flag, int E, int64_t R, int64_t rb, int64_t sb, int e8, int vec,
-                     uint8_t *__restrict__ out, uint8_t *__restrict__ outs, float *__restrict__ out_probs)
+/* The rows no slot took: zero codes, scale 1 (E8M0 127), prob 0, row_map
+ * -1. They are known without looking: segment y < E is expert y's padding,
+ * [padbeg, offset + P), segment E the rows past the need (every row of a
+ * flagged call); fill block f of F takes rows f, f + F, ... of each. */
+FM_DI void perm_fill_rows(const perm_move &p, unsigned f, unsigned F)
 {
     const int tid = threadIdx.x;
-    const bool flagged = *flag != 0;
-    for (int y = blockIdx.y; y <= E; y += gridDim.y) {
+    const bool flagged = *p.flag != 0;
+    const int64_t rb = p.rb, sb = p.sb;
+    for (int y = 0; y <= p.E; y++) {
         int64_t a, b;
-        if (y == E) {
-            a = flagged ? 0 : *need;
-            b = R;
+        if (y == p.E) {
+            a = flagged ? 0 : *p.need;
+            b = p.R;
         } else {
-            a = flagged ? 0 : padbeg[y];
-            b = flagged ? 0 : (int64_t)off[y] + splits[y];
+            a = flagged ? 0 : p.padbeg[y];
+            b = flagged ? 0 : (int64_t)p.off[y] + p.splits[y];
         }
-        for (int64_t r = a + blockIdx.x; r < b; r += gridDim.x) {
-            uint8_t *d = out + r * rb;
-            if (vec) {
-                for (int64_t i = tid; i < rb / 16; i += blockDim.x)
+        for (int64_t r = a + f; r < b; r += F) {
+            uint8_t *d = p.out + r * rb;
+            if (p.fvec) {
+                for (int64_t i = tid; i < rb / 16; i += PERM_MOVE_THREADS)
                     ((uint4 *)d)[i] = make_uint4(0, 0, 0, 0);
             } else {
-                for (int64_t i = tid; i < rb; i += blockDim.x)
+                for (int64_t i = tid; i < rb; i += PERM_MOVE_THREADS)
                     d[i] = 0;
             }
             if (sb) {
-                uint8_t *sd = outs + r * sb;
-                if (e8) {
-                    for (int64_t i = tid; i < sb; i += blockDim.x)
+                uint8_t *sd = p.outs + r * sb;
+                if (p.e8) {
+                    for (int64_t i = tid; i < sb; i += PERM_MOVE_THREADS)
                         sd[i] = 127;
                 } else {
-                    for (int64_t i = tid; i < sb / 4; i += blockDim.x)
+                    for (int64_t i = tid; i < sb / 4; i += PERM_MOVE_THREADS)
                         ((float *)sd)[i] = 1.0f;
                 }
             }
-            if (out_probs && tid == 0)
-                out_probs[r] = 0.0f;
+            if (tid == 0) {
+                p.row_map[r] = -1;
+                if (p.out_probs)
+                    p.out_probs[r] = 0.0f;
+            }
         }
     }
+}
+
+/* Steps 4 and 5 in one launch, so that the fill runs beside the scatter
+ * instead of after it: the first fill_blocks blocks fill, the next T
+ * scatter a token each. Their rows are disjoint. 16 blocks an SM: the
+ * full 2048 threads, 32 registers (without the bound ptxas took 40 and
+ * spilled). */
+__global__ void __launch_bounds__(PERM_MOVE_THREADS, 16) perm_move_kernel(const perm_move p)
+{
+    if (blockIdx.x < p.fill_blocks)
+        perm_fill_rows(p, blockIdx.x, p.fill_blocks);
+    else
+        perm_scatter_row(p, (int64_t)(blockIdx.x - p.fill_blocks));
 }
 
 extern "C" fm_status fm_cuda_moe_permute(fm_context *ctx, const fm_permute_config *cfg, const fm_tensor *x,
@@ -329,10 +386,6 @@ extern "C" fm_status fm_cuda_moe_permute(fm_context *ctx, const fm_permute_confi
     int64_t *padbeg = (int64_t *)((uint8_t *)scr + E * 8 + 16);
     uint32_t *hist = (uint32_t *)((uint8_t *)scr + head);
     cudaError_t err = cudaMemsetAsync(scr, 0, head, s);
-    if (err == cudaSuccess && R > 0)
-        err = cudaMemsetAsync(row_map->data, 0xFF, (size_t)R * 4, s); /* -1 */
-    if (err == cudaSuccess && n > 0)
-        err = cudaMemsetAsync(slot_rows->data, 0xFF, (size_t)n * 4, s); /* -1: slots with no expert */
     if (err == cudaSuccess && shm > PERM_SMEM) {
         err = cudaFuncSetAttribute(perm_hist_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)shm);
         if (err == cudaSuccess)
@@ -345,23 +398,38 @@ extern "C" fm_status fm_cuda_moe_permute(fm_context *ctx, const fm_permute_confi
                                                        hist, cnt, flag);
         perm_offsets_kernel<<<1, 1024, 0, s>>>(cnt, padbeg, (int)E, pad, R, (int64_t *)splits->data, flag, need,
                                                hist, nchunk);
-        if (n > 0) {
+        if (n > 0)
             perm_place_kernel<<<cb, 32 * wpb, shm, s>>>((const int32_t *)expert_ids->data, n, (int)E, ch, nchunk,
                                                         hist, flag, (int32_t *)slot_rows->data, (int32_t *)row_map->data);
-            const int vec = rb % 16 == 0 && ((uintptr_t)x->data % 16) == 0 && ((uintptr_t)out->data % 16) == 0;
-            const int svec = sb % 4 == 0 && ((uintptr_t)x->scale % 4) == 0 && ((uintptr_t)out->scale % 4) == 0;
-            perm_scatter_kernel<<<(unsigned)T, PERM_SCATTER_THREADS, 0, s>>>(
-                (const uint8_t *)x->data, (const uint8_t *)x->scale, (const int32_t *)slot_rows->data,
-                probs ? (const float *)probs->data : NULL, k, rb, sb, vec, svec, (uint8_t *)out->data,
-                (uint8_t *)out->scale, out_probs ? (float *)out_probs->data : NULL);
-        }
-        if (R > 0) {
-            const int vec = rb % 16 == 0 && ((uintptr_t)out->data % 16) == 0;
-            const dim3 grid(64, (unsigned)(E + 1 < 65535 ? E + 1 : 65535));
-            perm_fill_kernel<<<grid, 128, 0, s>>>(cnt, (const int64_t *)splits->data, padbeg, need, flag, (int)E, R,
-                                                  rb, sb, x->scale_dtype == FM_DTYPE_E8M0, vec, (uint8_t *)out->data,
-                                                  (uint8_t *)out->scale, out_probs ? (float *)out_probs->data : NULL);
-        }
+        perm_move p;
+        p.x = (const uint8_t *)x->data;
+        p.xs = (const uint8_t *)x->scale;
+        p.slot_rows = (const int32_t *)slot_rows->data;
+        p.probs = probs ? (const float *)probs->data : NULL;
+        p.out = (uint8_t *)out->data;
+        p.outs = (uint8_t *)out->scale;
+        p.out_probs = out_probs ? (float *)out_probs->data : NULL;
+        p.row_map = (int32_t *)row_map->data;
+        p.off = cnt;
+        p.splits = (const int64_t *)splits->data;
+        p.padbeg = padbeg;
+        p.need = need;
+        p.flag = flag;
+        p.T = n > 0 ? T : 0; /* no slots: nothing to scatter */
+        p.k = k;
+        p.rb = rb;
+        p.sb = sb;
+        p.R = R;
+        p.E = (int)E;
+        p.vec = rb % 16 == 0 && ((uintptr_t)x->data % 16) == 0 && ((uintptr_t)out->data % 16) == 0;
+        p.svec = sb % 4 == 0 && ((uintptr_t)x->scale % 4) == 0 && ((uintptr_t)out->scale % 4) == 0;
+        p.fvec = rb % 16 == 0 && ((uintptr_t)out->data % 16) == 0;
+        p.e8 = x->scale_dtype == FM_DTYPE_E8M0;
+        /* two fill blocks an SM: the padding is at most E (pad - 1) rows
+         * plus the rows past the need, small next to the scatter */
+        p.fill_blocks = R > 0 ? (unsigned)(2 * fm_cuda(ctx)->prop.multiProcessorCount) : 0;
+        if (p.T + p.fill_blocks > 0)
+            perm_move_kernel<<<(unsigned)(p.T + p.fill_blocks), PERM_MOVE_THREADS, 0, s>>>(p);
         err = cudaGetLastError();
     }
     int hflag = 0;
