@@ -9,6 +9,8 @@ gpu_build
 t 200 tests.log meson test -C $B --num-processes 1 --print-errorlogs test_cuda_moe_ops_bitexact_with_cpu \
     test_cuda_mathfn_equals_host test_cuda_layer_matches_cpu
 grep -E "^ *[0-9]+/[0-9]+ " "$OUT/tests.log" >>"$s"
+cp "$B/meson-logs/testlog.txt" "$OUT/testlog.txt" 2>/dev/null
+grep -E "patterns|values of" "$OUT/testlog.txt" >>"$s"
 t 200 xval.log $B/tools/fm-xval -o moe_router -o moe_router_backward -o moe_permute -o moe_unpermute \
     -o moe_unpermute_backward -o moe_swiglu -o moe_swiglu_backward
 grep -E "passed|FAIL" "$OUT/xval.log" | head -20 >>"$s"

@@ -3,7 +3,9 @@
 # builds fm-bench (CUDA enabled) and profiles one launch of the named kernel
 # in each case, with the sections that say where a memory-bound kernel loses
 # time (speed of light, occupancy, scheduler and warp-state statistics,
-# memory workload). Reports go to $OUT/ncu-N.txt.
+# memory workload). Reports go to $OUT/ncu-N.txt. With FM_NCU_SOURCE=1 also
+# the per-instruction counts (SourceCounters): the report $OUT/ncu-N.ncu-rep
+# and its SASS page as $OUT/ncu-N-sass.csv (executed count per instruction).
 #
 #   OUT=/dir tools/gpu-profile.sh 'KERNEL_REGEX|fm-bench filter' ...
 #   e.g. tools/gpu-profile.sh 'quant_tile_kernel|BF16->E4M3 1x128 row+col'
@@ -30,6 +32,11 @@ for spec in "$@"; do
         --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
         --section MemoryWorkloadAnalysis --section LaunchStats --section InstructionStats \
         --metrics "$STALLS,smsp__inst_executed.sum" \
+        ${FM_NCU_SOURCE:+--section SourceCounters --import-source no -o "$OUT/ncu-$n"} \
         "$B/tools/fm-bench" --reps 5 --filter "$f" >>"$OUT/ncu-$n.txt" 2>&1
+    if [ -n "${FM_NCU_SOURCE:-}" ]; then
+        "$NCU" -i "$OUT/ncu-$n.ncu-rep" --page details >>"$OUT/ncu-$n.txt" 2>&1
+        "$NCU" -i "$OUT/ncu-$n.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu-$n-sass.csv" 2>&1
+    fi
     grep -E "Duration|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|No Eligible|Warp Cycles Per Issued|stalled_.*ratio|inst_executed.sum" "$OUT/ncu-$n.txt" | head -40
 done

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The convergence study of issue 8: fm-train over several seeds, each
+# recipe's final-loss gap to bf16 per seed, then their mean, smallest and
+# largest. One run's gap is not a measure of a recipe (the students'
+# trajectories drift apart differently for each seed); the mean over seeds,
+# next to its spread, is.
+#
+#   tools/convergence.sh SEEDS [fm-train arguments...]
+#       e.g. tools/convergence.sh 8 --steps 600 --lr 3e-3
+#
+# Runs seeds 1..SEEDS one after the other with the fm-train of build/ (run
+# tools/demo.sh once first); each run's full output lands in
+# ${FM_CONV_OUT:-out/convergence}/seed-N.txt. Environment: FM_BUILD_DIR
+# (default build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ $# -ge 1 ] && [[ $1 =~ ^[1-9][0-9]*$ ]] || {
+    echo "usage: tools/convergence.sh SEEDS [fm-train arguments...]" >&2
+    exit 2
+}
+seeds=$1
+shift
+bin=${FM_BUILD_DIR:-build}/tools/fm-train
+[ -x "$bin" ] || {
+    echo "convergence.sh: $bin is missing; run tools/demo.sh first" >&2
+    exit 1
+}
+out=${FM_CONV_OUT:-out/convergence}
+mkdir -p "$out"
+echo "fm-train $* (seeds 1..$seeds)"
+for s in $(seq 1 "$seeds"); do
+    "$bin" "$@" --seed "$s" --out "$out/seed-$s" >"$out/seed-$s.txt"
+    # the final table's rows: | recipe | final loss | gap | ...
+    awk -v s="$s" -F'|' '$2 ~ /^ (bf16|fp8-[a-z0-9-]+) $/ { gsub(/ /, "", $2); gsub(/ /, "", $3); gsub(/[ %]/, "", $4); print s, $2, $3, $4 }' \
+        "$out/seed-$s.txt"
+done | tee "$out/gaps.txt" | awk '
+    { printf "seed %s %-14s final %s gap %s%%\n", $1, $2, $3, $4 }
+    $2 != "bf16" { n[$2]++; sum[$2] += $4; if (!($2 in lo) || $4 < lo[$2]) lo[$2] = $4; if (!($2 in hi) || $4 > hi[$2]) hi[$2] = $4 }
+    END {
+        print "\n| recipe | seeds | mean gap to bf16 | smallest | largest |"
+        print "|---|---:|---:|---:|---:|"
+        split("fp8-blockwise fp8-flow fp8-flow-fp4", order, " ")
+        for (i = 1; i <= 3; i++) if ((r = order[i]) in n) printf "| %s | %d | %+.2f%% | %+.2f%% | %+.2f%% |\n", r, n[r], sum[r] / n[r], lo[r], hi[r]
+    }'
