@@ -2,15 +2,16 @@
  *
  * Hot cases (what the FP8 recipes run) take one fused kernel: row-wise
  * BF16 [M, 2I], or E4M3 1x128 / E2M1 MX32 codes with compact scales, I a
- * multiple of 128, into FP8 BLOCK_1x128 outputs with compact scales, no
- * column-wise copy and no cfg->amax / nonfinite_blocks. A warp takes 256
- * output columns of one row, 8 per lane: 16 lanes make one 128-column block,
- * whose amax reduces by 4 shuffles. The activation is mathfn.h's (the same F32
- * operations in the same order as the CPU), and each block is scaled and
- * encoded with the tile quantizer's helpers (fm_pick_scale, fm_encode8,
- * fm_nan_word), so the bytes are what fm_quantize gives for the F32 tensor.
- * The forward writes in_saved (E4M3 1x128 or E2M1 MX32) from the same
- * registers. The backward's dprobs keeps fm_dot_order_f32's order: a warp
+ * multiple of 128, into FP8 BLOCK_1x128 outputs with compact, power-of-two
+ * scales (the recipes' rule, compiled in: the encode has no run-time rule
+ * branch), no column-wise copy and no cfg->amax / nonfinite_blocks. A warp
+ * takes 256 output columns of one row, 8 per lane: 16 lanes make one
+ * 128-column block, whose amax reduces by 4 shuffles. The activation is
+ * mathfn.h's (the same F32 operations in the same order as the CPU), and each
+ * block is scaled and encoded with the tile quantizer's helpers
+ * (fm_pick_scale, fm_encode8, fm_nan_word), so the bytes are what
+ * fm_quantize gives for the F32 tensor. The forward writes in_saved (E4M3
+ * 1x128 or E2M1 MX32) from the same registers. The backward's dprobs keeps fm_dot_order_f32's order: a warp
  * then owns a whole row, walks its columns in increasing order, and each
  * chunk's dh and a · u pass through shared memory so that lane l holds the
  * elements i = l (mod 32) that its partial sum p_l accumulates.
@@ -43,7 +44,6 @@ typedef struct swparams {
     fm_fastdiv chdiv;       /* by nch */
     uint32_t units;         /* work items: (row, chunk) pairs, or rows when dprobs is written */
     float eps;
-    int out_rule, sv_rule;
 } swparams;
 
 FM_DI void sw_bf16x8(uint4 w, float *x)
@@ -122,7 +122,7 @@ FM_DI void sw_load_gu(const uint8_t *row, const uint8_t *srow, int I, int col, f
  * call), the scale rule and encoding of the tile quantizer; lanes of a block
  * outside the matrix store nothing. */
 template <int ELEM, int GROUP>
-FM_DI void sw_put_block(const float *x, bool valid, float eps, int rule, uint8_t *codes, void *scale, int sidx)
+FM_DI void sw_put_block(const float *x, bool valid, float eps, uint8_t *codes, void *scale, int sidx)
 {
     uint32_t a = 0;
 #pragma unroll
@@ -137,7 +137,7 @@ FM_DI void sw_put_block(const float *x, bool valid, float eps, int rule, uint8_t
     }
     float s32;
     uint8_t s8;
-    const float mult = fm_pick_scale(a, eps, rule, ELEM, &s32, &s8);
+    const float mult = fm_pick_scale(a, eps, FM_SCALE_RULE_POW2, ELEM, &s32, &s8);
     if (!valid)
         return;
     float y[8];
@@ -162,12 +162,12 @@ FM_DI void sw_put_block(const float *x, bool valid, float eps, int rule, uint8_t
 /* A row-wise quantized output of C columns: the lane's 8 values at column
  * col of the row whose codes start at `row` and compact scales at `srow`. */
 template <int ELEM>
-FM_DI void sw_put(const float *x, bool valid, float eps, int rule, uint8_t *row, uint8_t *srow, int col)
+FM_DI void sw_put(const float *x, bool valid, float eps, uint8_t *row, uint8_t *srow, int col)
 {
     if (ELEM == FM_DTYPE_E2M1)
-        sw_put_block<ELEM, 4>(x, valid, eps, rule, row + col / 2, srow, col / 32);
+        sw_put_block<ELEM, 4>(x, valid, eps, row + col / 2, srow, col / 32);
     else
-        sw_put_block<ELEM, 16>(x, valid, eps, rule, row + col, srow, col / 128);
+        sw_put_block<ELEM, 16>(x, valid, eps, row + col, srow, col / 128);
 }
 
 /* Row m of a row-wise quantized [M, C] output: codes, then compact scales. */
@@ -210,12 +210,12 @@ __global__ void __launch_bounds__(SW_THREADS) swiglu_fwd_fused_kernel(const swpa
             const float v = fm_silu_rawf(g[k]) * u[k];
             h[k] = p.probs ? v * pm : v;
         }
-        sw_put<OUT>(h, valid, p.eps, p.out_rule, sw_out_row<OUT>(p.out, m, I), sw_out_srow<OUT>(p.out_scale, m, I),
+        sw_put<OUT>(h, valid, p.eps, sw_out_row<OUT>(p.out, m, I), sw_out_srow<OUT>(p.out_scale, m, I),
                     col);
         if (SV) {
             uint8_t *sr = sw_out_row<SV>(p.sv, m, 2 * (int64_t)I), *ss = sw_out_srow<SV>(p.sv_scale, m, 2 * (int64_t)I);
-            sw_put<SV>(g, valid, p.eps, p.sv_rule, sr, ss, col);
-            sw_put<SV>(u, valid, p.eps, p.sv_rule, sr, ss, I + col);
+            sw_put<SV>(g, valid, p.eps, sr, ss, col);
+            sw_put<SV>(u, valid, p.eps, sr, ss, I + col);
         }
     }
 }
@@ -269,8 +269,8 @@ __global__ void __launch_bounds__(SW_THREADS) swiglu_bwd_fused_kernel(const swpa
                 dg[k] = (q * u[k]) * ds;
                 u[k] = a * u[k]; /* a · u, what dprobs dots with dh */
             }
-            sw_put<OUT>(dg, valid, p.eps, p.out_rule, out_row, out_srow, col);
-            sw_put<OUT>(du, valid, p.eps, p.out_rule, out_row, out_srow, I + col);
+            sw_put<OUT>(dg, valid, p.eps, out_row, out_srow, col);
+            sw_put<OUT>(du, valid, p.eps, out_row, out_srow, I + col);
             if (dp) {
                 float *xd = xs[w][0], *xa = xs[w][1];
                 if (valid) {
@@ -435,7 +435,8 @@ static int fused_setup(swparams *p, const fm_quant_config *cfg, const fm_tensor 
                        const fm_tensor *out, int by_row)
 {
     const int64_t M = in->shape[0], I = in->shape[1] / 2;
-    if (cfg->amax || cfg->nonfinite_blocks || M <= 0 || I <= 0 || I % 128)
+    if (cfg->amax || cfg->nonfinite_blocks || M <= 0 || I <= 0 || I % 128 ||
+        fm_effective_rule(cfg->rule, out->scale_mode) != FM_SCALE_RULE_POW2)
         return 0;
     const int64_t nch = fm_cdiv(I, SW_CHUNK), units = by_row ? M : M * nch;
     if (units >= ((int64_t)1 << 31) || 2 * I >= ((int64_t)1 << 31)) /* 32-bit unit and column indices */
@@ -446,7 +447,6 @@ static int fused_setup(swparams *p, const fm_quant_config *cfg, const fm_tensor 
     p->probs = probs ? (const float *)probs->data : NULL;
     p->out = (uint8_t *)out->data;
     p->out_scale = out->scale;
-    p->out_rule = fm_effective_rule(cfg->rule, out->scale_mode);
     p->I = I;
     p->nch = (uint32_t)nch;
     p->chdiv = fm_fastdiv_make((uint32_t)nch);
@@ -509,9 +509,10 @@ static int swiglu_fused(fm_context *ctx, const fm_quant_config *cfg, const fm_te
     if (!ie || !oe || out_col || (in_saved && !se) || !fused_setup(&p, cfg, in, probs, out_row, 0))
         return 0;
     if (in_saved) {
+        if (fm_effective_rule(cfg->rule, in_saved->scale_mode) != FM_SCALE_RULE_POW2)
+            return 0;
         p.sv = (uint8_t *)in_saved->data;
         p.sv_scale = in_saved->scale;
-        p.sv_rule = fm_effective_rule(cfg->rule, in_saved->scale_mode);
     }
     fm_cuda_device_guard g;
     if ((*st = fm_cuda_enter(ctx, &g, "fm_moe_swiglu")))

@@ -262,15 +262,20 @@ FM_HD int fm_f32_frexp_bits(float a, uint32_t *frac23)
  * p clamped to [-127, 127] (the E8M0 range). `a` finite, >= 0. */
 FM_HD int fm_pow2_scale_exp(float a, fm_dtype elem)
 {
-    if (a == 0.0f)
-        return 0;
     /* element max = 1.max_frac * 2^emax */
     int emax = elem == FM_DTYPE_E4M3 ? 8 : elem == FM_DTYPE_E5M2 ? 15 : 2;
     uint32_t max_frac = elem == FM_DTYPE_E2M1 ? 0x400000u : 0x600000u;
-    uint32_t frac;
-    int e = fm_f32_frexp_bits(a, &frac);
-    int p = e - emax + (frac > max_frac ? 1 : 0);
-    return p < -127 ? -127 : p > 127 ? 127 : p;
+    /* Without branches (the fused GPU kernels run this twice per 8
+     * elements): a subnormal a is normalised by an exact multiply by 2^64;
+     * both operands of each ?: are computed, and the product of a normal a
+     * is never used. */
+    uint32_t u = fm_f32_bits(a) & 0x7FFFFFFFu;
+    int sub = u < 0x800000u;
+    uint32_t v = sub ? fm_f32_bits(a * 18446744073709551616.0f) & 0x7FFFFFFFu : u;
+    int e = (int)(v >> 23) - (sub ? 127 + 64 : 127);
+    int p = e - emax + ((v & 0x7FFFFFu) > max_frac ? 1 : 0);
+    p = p < -127 ? -127 : p > 127 ? 127 : p;
+    return u == 0 ? 0 : p;
 }
 
 /* OCP MX v1.0 rule: floor(log2 a) - emax_elem, clamped to [-127, 127];
