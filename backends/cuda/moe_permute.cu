@@ -5,10 +5,10 @@
  *      per chunk and expert into the totals; integer counts are order-free)
  *      and a flag for ids out of range (-1, a slot with no expert, is
  *      skipped);
- *   2. one block: padded sizes, offsets and splits (a block scan), a flag
- *      when the routing needs more than R rows, and each chunk's first row
- *      per expert (the expert's offset plus the counts of the chunks
- *      before it);
+ *   2. one block, one scan: padded sizes, offsets and splits, a flag when
+ *      the routing needs more than R rows, and each chunk's first row per
+ *      expert (the expert's offset plus the counts of the chunks before
+ *      it);
  *   3. each warp walks its chunk again in slot order, 32 slots a step: lanes
  *      with the same expert find each other (match.any) and take
  *      consecutive rows after the chunk's running counter, so rows follow
@@ -25,6 +25,8 @@
  * memset runs before them. A flagged call is reported as
  * FM_ERR_INVALID_ARG when host_splits makes it synchronise; otherwise its
  * outputs hold zero rows and row_map -1. */
+#include <cub/block/block_scan.cuh>
+
 #include "cuda.h"
 #include "moe_common.cuh"
 
@@ -64,97 +66,90 @@ __global__ void perm_hist_kernel(const int32_t *__restrict__ ids, int64_t n, int
     __syncwarp();
     for (int e = lane; e < E; e += 32) {
         const uint32_t v = h[e];
-        hist[c * E + e] = v;
+        hist[(uint32_t)e * (uint32_t)(nchunk + 1) + (uint32_t)c] = v;
         if (v)
             atomicAdd(&cnt[e], (unsigned long long)v);
     }
 }
 
-/* Inclusive sum over the lanes 0..lane of the warp (every lane calls). */
-template <typename T>
-FM_DI T perm_warp_scan(T x, int lane)
+/* Step 2 as one block-wide exclusive scan (CUB's BlockScan) over hist,
+ * [E][nchunk + 1]: each expert's per-chunk counts, closed by one more item,
+ * its padding P_e - c_e (P_e = c_e rounded up to pad). The prefix before
+ * (e, 0) is offset_e, the one before (e, c) chunk c's first row for expert
+ * e, the one before the padding item expert e's first padding row. A tile
+ * makes one round trip to memory: the totals c_e come in with the tile's
+ * counts, no load depends on another, and nothing read is written (the
+ * offsets go to their own array). Nsight Compute still gives it about 20 us
+ * at the benchmark's size (16K items, 3 tiles; a warp per expert took
+ * 29-36 us, this scan after a pass over the totals 21 us, 256 threads 19
+ * us): the time is not in its round trips, and where it is remains open.
+ * 32-bit sums are exact: the launcher keeps n + E pad, which bounds every
+ * prefix, below 2^32. cnt: totals; hist: counts in, first rows out; off,
+ * padbeg: out. */
+#define PERM_SCAN_THREADS 1024
+#define PERM_SCAN_ITEMS 8
+typedef cub::BlockScan<uint32_t, PERM_SCAN_THREADS, cub::BLOCK_SCAN_WARP_SCANS> perm_block_scan;
+
+__global__ void __launch_bounds__(PERM_SCAN_THREADS, 1)
+    perm_offsets_kernel(const unsigned long long *cnt, uint32_t *off, uint32_t *padbeg, int E, int64_t pad, int64_t R,
+                        int64_t *splits, int *flag, int64_t *need, uint32_t *hist, int64_t nchunk)
 {
+    __shared__ typename perm_block_scan::TempStorage tmp;
+    const uint32_t per = (uint32_t)nchunk + 1, N = (uint32_t)E * per, pd = (uint32_t)pad;
+    uint32_t carry = 0;
+    for (uint32_t f0 = 0; f0 < N; f0 += PERM_SCAN_THREADS * PERM_SCAN_ITEMS) {
+        const uint32_t f = f0 + threadIdx.x * PERM_SCAN_ITEMS, e0 = f / per, c0 = f - e0 * per;
+        uint32_t v[PERM_SCAN_ITEMS];
+        uint32_t e = e0, c = c0;
 #pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const T y = __shfl_up_sync(0xFFFFFFFFu, x, o);
-        if (lane >= o)
-            x += y;
-    }
-    return x;
-}
-
-#define PERM_BATCH 8
-
-/* cnt_off: counts in, offsets out; padbeg: each expert's first padding row;
- * hist: per-chunk counts in, each chunk's first row per expert out. The
- * padded sizes are scanned by the whole block, 1024 experts at a time. */
-__global__ void __launch_bounds__(1024, 1) perm_offsets_kernel(unsigned long long *cnt_off, int64_t *padbeg, int E, int64_t pad, int64_t R,
-                                    int64_t *splits, int *flag, int64_t *need, uint32_t *hist, int64_t nchunk)
-{
-    __shared__ int64_t wsum[32];
-    __shared__ int64_t carry;
-    const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, nw = blockDim.x >> 5;
-    if (tid == 0)
-        carry = 0;
-    __syncthreads();
-    for (int e0 = 0; e0 < E; e0 += blockDim.x) {
-        const int e = e0 + tid;
-        const int64_t c = e < E ? (int64_t)cnt_off[e] : 0, P = fm_round_up(c, pad);
-        const int64_t x = perm_warp_scan(P, lane);
-        if (lane == 31)
-            wsum[w] = x;
-        __syncthreads();
-        int64_t before = carry;
-        for (int i = 0; i < w; i++)
-            before += wsum[i];
-        if (e < E) {
-            const int64_t off = before + x - P;
-            splits[e] = P;
-            cnt_off[e] = (unsigned long long)off;
-            padbeg[e] = off + c;
+        for (int u = 0; u < PERM_SCAN_ITEMS; u++) {
+            v[u] = f + u >= N ? 0u : c + 1 < per ? hist[f + u] : (uint32_t)cnt[e];
+            if (++c == per) {
+                c = 0;
+                e++;
+            }
         }
-        __syncthreads();
-        if (tid == blockDim.x - 1)
-            carry = before + x;
-        __syncthreads();
+        e = e0;
+        c = c0;
+#pragma unroll
+        for (int u = 0; u < PERM_SCAN_ITEMS; u++) { /* a total into its padding */
+            if (f + u < N && c + 1 == per) {
+                const uint32_t P = (v[u] + pd - 1) / pd * pd;
+                splits[e] = P;
+                v[u] = P - v[u];
+            }
+            if (++c == per) {
+                c = 0;
+                e++;
+            }
+        }
+        uint32_t total;
+        perm_block_scan(tmp).ExclusiveSum(v, v, total);
+        e = e0;
+        c = c0;
+#pragma unroll
+        for (int u = 0; u < PERM_SCAN_ITEMS; u++) {
+            if (f + u < N) {
+                const uint32_t before = carry + v[u];
+                if (c == 0)
+                    off[e] = before;
+                if (c + 1 < per)
+                    hist[f + u] = before;
+                else
+                    padbeg[e] = before;
+            }
+            if (++c == per) {
+                c = 0;
+                e++;
+            }
+        }
+        carry += total;
+        __syncthreads(); /* tmp is reused by the next tile */
     }
-    if (tid == 0) {
+    if (threadIdx.x == 0) {
         *need = carry;
         if (carry > R)
             atomicOr(flag, PERM_TOO_FEW_ROWS);
-    }
-    __syncthreads();
-    if (*flag)
-        return;
-    /* A warp per expert: lane l owns a run of consecutive chunks, sums
-     * their counts, one warp scan gives each lane its first row, and the
-     * lane walks its run again writing the chunks' first rows. (A scan of
-     * 32 chunks at a time chained 5 shuffles per step through all nchunk /
-     * 32 steps: 29 us for one launch at 512 chunks.) Loads go PERM_BATCH at
-     * a time, ahead of the stores. Rows stay below R <= 2^31 (row_map is
-     * I32), so the bases fit 32 bits. */
-    const int64_t per = (nchunk + 31) / 32, c0 = lane * per, c1 = c0 + per < nchunk ? c0 + per : nchunk;
-    for (int e = w; e < E; e += nw) {
-        uint32_t sum = 0;
-        for (int64_t c = c0; c < c1; c += PERM_BATCH) {
-#pragma unroll
-            for (int u = 0; u < PERM_BATCH; u++)
-                sum += c + u < c1 ? hist[(c + u) * E + e] : 0u;
-        }
-        const uint32_t x = perm_warp_scan(sum, lane);
-        uint32_t run = (uint32_t)cnt_off[e] + x - sum;
-        for (int64_t c = c0; c < c1; c += PERM_BATCH) {
-            uint32_t v[PERM_BATCH];
-#pragma unroll
-            for (int u = 0; u < PERM_BATCH; u++)
-                v[u] = c + u < c1 ? hist[(c + u) * E + e] : 0u;
-#pragma unroll
-            for (int u = 0; u < PERM_BATCH; u++)
-                if (c + u < c1) {
-                    hist[(c + u) * E + e] = run;
-                    run += v[u];
-                }
-        }
     }
 }
 
@@ -175,7 +170,7 @@ __global__ void perm_place_kernel(const int32_t *__restrict__ ids, int64_t n, in
     }
     uint32_t *run = perm_sh + (int64_t)w * E;
     for (int e = lane; e < E; e += 32)
-        run[e] = base[c * E + e];
+        run[e] = base[(uint32_t)e * (uint32_t)(nchunk + 1) + (uint32_t)c];
     __syncwarp();
     const unsigned below = (1u << lane) - 1u;
     for (int64_t s0 = c * ch; s0 < s1; s0 += 32) {
@@ -209,8 +204,8 @@ typedef struct perm_move {
     uint8_t *out, *outs;
     float *out_probs;
     int32_t *row_map;
-    const unsigned long long *off;
-    const int64_t *splits, *padbeg, *need;
+    const uint32_t *off, *padbeg; /* each expert's first row and first padding row */
+    const int64_t *need;
     const int *flag;
     int64_t T, k, rb, sb, R;
     int E, vec, svec, fvec, e8;
@@ -289,8 +284,9 @@ FM_DI void perm_scatter_row(const perm_move &p, int64_t t)
 
 /* The rows no slot took: zero codes, scale 1 (E8M0 127), prob 0, row_map
  * -1. They are known without looking: segment y < E is expert y's padding,
- * [padbeg, offset + P), segment E the rows past the need (every row of a
- * flagged call); fill block f of F takes rows f, f + F, ... of each. */
+ * from its first padding row to the next expert's offset (the need, for the
+ * last), segment E the rows past the need (every row of a flagged call);
+ * fill block f of F takes rows f, f + F, ... of each. */
 FM_DI void perm_fill_rows(const perm_move &p, unsigned f, unsigned F)
 {
     const int tid = threadIdx.x;
@@ -303,7 +299,7 @@ FM_DI void perm_fill_rows(const perm_move &p, unsigned f, unsigned F)
             b = p.R;
         } else {
             a = flagged ? 0 : p.padbeg[y];
-            b = flagged ? 0 : (int64_t)p.off[y] + p.splits[y];
+            b = flagged ? 0 : y + 1 < p.E ? p.off[y + 1] : *p.need;
         }
         for (int64_t r = a + f; r < b; r += F) {
             uint8_t *d = p.out + r * rb;
@@ -360,6 +356,13 @@ extern "C" fm_status fm_cuda_moe_permute(fm_context *ctx, const fm_permute_confi
                         "splits: %lld experts need %zu bytes of shared memory for the CUDA permute's counters, more "
                         "than this device's %zu",
                         (long long)E, shm, (size_t)fm_cuda(ctx)->prop.sharedMemPerBlockOptin);
+    const int64_t ch = perm_chunk(E), nchunk = fm_cdiv(n, ch);
+    /* perm_offsets_kernel's 32-bit (expert, chunk) indices and row sums */
+    if ((nchunk + 1) * E >= ((int64_t)1 << 32) || n + E * pad >= ((int64_t)1 << 32))
+        return fm_error(ctx, FM_ERR_UNSUPPORTED,
+                        "expert_ids: %lld slots over %lld experts padded to %lld rows are more than the CUDA permute "
+                        "ranks in one call (2^32 rows)",
+                        (long long)n, (long long)E, (long long)pad);
     fm_cuda_device_guard g;
     fm_status st = fm_cuda_enter(ctx, &g, "fm_moe_permute");
     if (st)
@@ -369,11 +372,11 @@ extern "C" fm_status fm_cuda_moe_permute(fm_context *ctx, const fm_permute_confi
                      ? 0
                      : fm_cdiv(H, fm_mode_block_cols(x->scale_mode)) * (fm_dtype_bits(x->scale_dtype) / 8);
     cudaStream_t s = fm_cuda_stream(ctx);
-    const int64_t ch = perm_chunk(E), nchunk = fm_cdiv(n, ch);
-    /* scratch: E counts/offsets, the needed row count, the flag, E first
-     * padding rows, then the per-chunk counts / first rows */
+    /* scratch: E totals, the needed row count, the flag, E first padding
+     * rows and E offsets (32-bit), then the per-chunk counts / first rows,
+     * [E][nchunk + 1] */
     const size_t head = (size_t)E * 16 + 16;
-    size_t bytes = head + (size_t)nchunk * (size_t)E * 4;
+    size_t bytes = head + (size_t)(nchunk + 1) * (size_t)E * 4;
     void *scr;
     int owned;
     if ((st = fm_cuda_scratch(ctx, bytes, &scr, &owned, "fm_moe_permute"))) {
@@ -383,7 +386,7 @@ extern "C" fm_status fm_cuda_moe_permute(fm_context *ctx, const fm_permute_confi
     unsigned long long *cnt = (unsigned long long *)scr;
     int64_t *need = (int64_t *)((uint8_t *)scr + E * 8);
     int *flag = (int *)(need + 1);
-    int64_t *padbeg = (int64_t *)((uint8_t *)scr + E * 8 + 16);
+    uint32_t *padbeg = (uint32_t *)((uint8_t *)scr + E * 8 + 16), *off = padbeg + E;
     uint32_t *hist = (uint32_t *)((uint8_t *)scr + head);
     cudaError_t err = cudaMemsetAsync(scr, 0, head, s);
     if (err == cudaSuccess && shm > PERM_SMEM) {
@@ -396,7 +399,7 @@ extern "C" fm_status fm_cuda_moe_permute(fm_context *ctx, const fm_permute_confi
         if (n > 0)
             perm_hist_kernel<<<cb, 32 * wpb, shm, s>>>((const int32_t *)expert_ids->data, n, (int)E, ch, nchunk,
                                                        hist, cnt, flag);
-        perm_offsets_kernel<<<1, 1024, 0, s>>>(cnt, padbeg, (int)E, pad, R, (int64_t *)splits->data, flag, need,
+        perm_offsets_kernel<<<1, PERM_SCAN_THREADS, 0, s>>>(cnt, off, padbeg, (int)E, pad, R, (int64_t *)splits->data, flag, need,
                                                hist, nchunk);
         if (n > 0)
             perm_place_kernel<<<cb, 32 * wpb, shm, s>>>((const int32_t *)expert_ids->data, n, (int)E, ch, nchunk,
@@ -410,8 +413,7 @@ extern "C" fm_status fm_cuda_moe_permute(fm_context *ctx, const fm_permute_confi
         p.outs = (uint8_t *)out->scale;
         p.out_probs = out_probs ? (float *)out_probs->data : NULL;
         p.row_map = (int32_t *)row_map->data;
-        p.off = cnt;
-        p.splits = (const int64_t *)splits->data;
+        p.off = off;
         p.padbeg = padbeg;
         p.need = need;
         p.flag = flag;
