@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The convergence study of issue 8: fm-train over several seeds, each
 # recipe's final-loss gap to bf16 per seed, then their mean, smallest and
-# largest. One run's gap is not a measure of a recipe (the students'
+# largest, and the mean gap of the same final weights run through bf16
+# layers (what training did, apart from the recipe's own forward). One run's gap is not a measure of a recipe (the students'
 # trajectories drift apart differently for each seed); the mean over seeds,
 # next to its spread, is.
 #
@@ -30,15 +31,22 @@ mkdir -p "$out"
 echo "fm-train $* (seeds 1..$seeds)"
 for s in $(seq 1 "$seeds"); do
     "$bin" "$@" --seed "$s" --out "$out/seed-$s" >"$out/seed-$s.txt"
-    # the final table's rows: | recipe | final loss | gap | ...
-    awk -v s="$s" -F'|' '$2 ~ /^ (bf16|fp8-[a-z0-9-]+) $/ { gsub(/ /, "", $2); gsub(/ /, "", $3); gsub(/[ %]/, "", $4); print s, $2, $3, $4 }' \
+    # the final table's rows: | recipe | final loss | gap | bf16-forward loss | its gap | ...
+    awk -v s="$s" -F'|' '$2 ~ /^ (bf16|fp8-[a-z0-9-]+) $/ {
+        gsub(/ /, "", $2); gsub(/ /, "", $3); gsub(/[ %]/, "", $4); gsub(/[ %]/, "", $6); print s, $2, $3, $4, $6 }' \
         "$out/seed-$s.txt"
 done | tee "$out/gaps.txt" | awk '
-    { printf "seed %s %-14s final %s gap %s%%\n", $1, $2, $3, $4 }
-    $2 != "bf16" { n[$2]++; sum[$2] += $4; if (!($2 in lo) || $4 < lo[$2]) lo[$2] = $4; if (!($2 in hi) || $4 > hi[$2]) hi[$2] = $4 }
+    { printf "seed %s %-14s final %s gap %s%% (bf16 forward: %s%%)\n", $1, $2, $3, $4, $5 }
+    $2 != "bf16" {
+        n[$2]++; sum[$2] += $4; sum16[$2] += $5
+        if (!($2 in lo) || $4 < lo[$2]) lo[$2] = $4
+        if (!($2 in hi) || $4 > hi[$2]) hi[$2] = $4
+    }
     END {
-        print "\n| recipe | seeds | mean gap to bf16 | smallest | largest |"
-        print "|---|---:|---:|---:|---:|"
+        print "\n| recipe | seeds | mean gap to bf16 | smallest | largest | mean gap, final weights through bf16 layers |"
+        print "|---|---:|---:|---:|---:|---:|"
         split("fp8-blockwise fp8-flow fp8-flow-fp4", order, " ")
-        for (i = 1; i <= 3; i++) if ((r = order[i]) in n) printf "| %s | %d | %+.2f%% | %+.2f%% | %+.2f%% |\n", r, n[r], sum[r] / n[r], lo[r], hi[r]
+        for (i = 1; i <= 3; i++)
+            if ((r = order[i]) in n)
+                printf "| %s | %d | %+.2f%% | %+.2f%% | %+.2f%% | %+.2f%% |\n", r, n[r], sum[r] / n[r], lo[r], hi[r], sum16[r] / n[r]
     }'

@@ -294,6 +294,7 @@ typedef struct {
     int64_t info_casts, info_casts_sum; /* layer 0's, all layers' */
     double info_saved;
     double eval_loss;       /* mean loss of the final weights on the held-out batches */
+    double eval_bf16;       /* the same weights through bf16 layers: training apart from the forward's format */
 } student;
 
 typedef struct {
@@ -506,7 +507,7 @@ static void keep_info(const trainer *tr, student *s)
 /* The final weights on held-out batches, the same for every recipe: the
  * training loss of the last steps moves with each fresh batch by more than
  * the gaps between recipes, this does not. */
-static int evaluate(trainer *tr, student *s, const float *xs, const float *ys)
+static int evaluate(trainer *tr, student *s, const float *xs, const float *ys, double *loss)
 {
     const int64_t TH = tr->T * tr->H;
     int64_t casts = 0;
@@ -523,8 +524,32 @@ static int evaluate(trainer *tr, student *s, const float *xs, const float *ys)
         }
         sum += l / (double)TH;
     }
-    s->eval_loss = sum / EVAL_BATCHES;
+    *loss = sum / EVAL_BATCHES;
     return 0;
+}
+
+/* Student s's final weights through bf16 layers on the held-out batches: a
+ * low-precision recipe's gap to bf16 is then what its training did to the
+ * weights, without its own forward's quantization on top. */
+static int evaluate_in_bf16(trainer *tr, student *s, const float *xs, const float *ys)
+{
+    if (s->recipe == FM_RECIPE_BF16) {
+        s->eval_bf16 = s->eval_loss;
+        return 0;
+    }
+    const int64_t L = tr->o->layers;
+    student ev = {.recipe = FM_RECIPE_BF16, .blocks = calloc((size_t)L, sizeof(block))};
+    int rc = !ev.blocks;
+    if (rc)
+        fprintf(stderr, "%s: out of host memory\n", prog);
+    for (int64_t l = 0; l < L && !rc; l++)
+        rc = block_create(tr, FM_RECIPE_BF16, &ev.blocks[l], &s->blocks[l]);
+    if (!rc)
+        rc = evaluate(tr, &ev, xs, ys, &s->eval_bf16);
+    for (int64_t l = 0; ev.blocks && l < L; l++)
+        block_destroy(tr, &ev.blocks[l]);
+    free(ev.blocks);
+    return rc;
 }
 
 /* ---- output -------------------------------------------------------------- */
@@ -599,18 +624,21 @@ static void print_table(const trainer *tr, const student *st)
         if (st[r].recipe == FM_RECIPE_BF16)
             base = st[r].eval_loss;
     int64_t n = o->steps < LAST_STEPS ? o->steps : LAST_STEPS;
-    printf("\n| recipe | final loss (%d held-out batches) | gap to bf16 | training loss (last %lld) | "
-           "casts / layer-step | saved for backward / layer | tokens/s |\n",
+    printf("\n| recipe | final loss (%d held-out batches) | gap to bf16 | the same weights, bf16 forward | gap to bf16 | "
+           "training loss (last %lld) | casts / layer-step | saved for backward / layer | tokens/s |\n",
            EVAL_BATCHES, (long long)n);
-    printf("|---|---:|---:|---:|---:|---:|---:|\n");
+    printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (int r = 0; r < o->nrecipes; r++) {
         const student *s = &st[r];
-        char gap[32] = "-";
-        if (!isnan(base) && s->recipe != FM_RECIPE_BF16)
+        char gap[32] = "-", gap16[32] = "-";
+        if (!isnan(base) && s->recipe != FM_RECIPE_BF16) {
             snprintf(gap, sizeof gap, "%+.2f%%", 100.0 * (s->eval_loss - base) / base);
-        printf("| %s | %.4e | %s | %.4e | %lld | %.0f B (%.1f KiB) | %.0f |\n", fm_recipe_name(s->recipe),
-               s->eval_loss, gap, final_loss(s, o->steps), (long long)s->info_casts, s->info_saved,
-               s->info_saved / 1024.0, s->seconds > 0 ? (double)(o->tokens * o->steps) / s->seconds : 0);
+            snprintf(gap16, sizeof gap16, "%+.2f%%", 100.0 * (s->eval_bf16 - base) / base);
+        }
+        printf("| %s | %.4e | %s | %.4e | %s | %.4e | %lld | %.0f B (%.1f KiB) | %.0f |\n", fm_recipe_name(s->recipe),
+               s->eval_loss, gap, s->eval_bf16, gap16, final_loss(s, o->steps), (long long)s->info_casts,
+               s->info_saved, s->info_saved / 1024.0,
+               s->seconds > 0 ? (double)(o->tokens * o->steps) / s->seconds : 0);
     }
 }
 
@@ -757,7 +785,9 @@ static int run(trainer *tr, student *st)
             }
         }
         for (int r = 0; r < o->nrecipes && !rc; r++)
-            rc = evaluate(tr, &st[r], xs, ys);
+            rc = evaluate(tr, &st[r], xs, ys, &st[r].eval_loss);
+        for (int r = 0; r < o->nrecipes && !rc; r++)
+            rc = evaluate_in_bf16(tr, &st[r], xs, ys);
         free(xs), free(ys);
     }
     if (rc)
