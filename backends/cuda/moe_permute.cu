@@ -399,8 +399,8 @@ extern "C" fm_status fm_cuda_moe_permute(fm_context *ctx, const fm_permute_confi
         if (n > 0)
             perm_hist_kernel<<<cb, 32 * wpb, shm, s>>>((const int32_t *)expert_ids->data, n, (int)E, ch, nchunk,
                                                        hist, cnt, flag);
-        perm_offsets_kernel<<<1, PERM_SCAN_THREADS, 0, s>>>(cnt, off, padbeg, (int)E, pad, R, (int64_t *)splits->data, flag, need,
-                                               hist, nchunk);
+        perm_offsets_kernel<<<1, PERM_SCAN_THREADS, 0, s>>>(cnt, off, padbeg, (int)E, pad, R,
+                                                            (int64_t *)splits->data, flag, need, hist, nchunk);
         if (n > 0)
             perm_place_kernel<<<cb, 32 * wpb, shm, s>>>((const int32_t *)expert_ids->data, n, (int)E, ch, nchunk,
                                                         hist, flag, (int32_t *)slot_rows->data, (int32_t *)row_map->data);

@@ -11,10 +11,11 @@
  * block is scaled and encoded with the tile quantizer's helpers
  * (fm_pick_scale, fm_encode8, fm_nan_word), so the bytes are what
  * fm_quantize gives for the F32 tensor. The forward writes in_saved (E4M3
- * 1x128 or E2M1 MX32) from the same registers. The backward's dprobs keeps fm_dot_order_f32's order: a warp
- * then owns a whole row, walks its columns in increasing order, and each
- * chunk's dh and a · u pass through shared memory so that lane l holds the
- * elements i = l (mod 32) that its partial sum p_l accumulates.
+ * 1x128 or E2M1 MX32) from the same registers. The backward's dprobs keeps
+ * fm_dot_order_f32's order: a warp then owns a whole row, walks its columns
+ * in increasing order, and each chunk's dh and a · u pass through shared
+ * memory so that lane l holds the elements i = l (mod 32) that its partial
+ * sum p_l accumulates.
  *
  * Every other case: the activation into `row` directly (unscaled), or into
  * an F32 buffer that fm_cuda_quantize quantizes; dprobs by one warp per row. */
