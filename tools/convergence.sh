@@ -8,6 +8,8 @@
 #
 #   tools/convergence.sh SEEDS [fm-train arguments...]
 #       e.g. tools/convergence.sh 8 --steps 600 --lr 3e-3
+#       (with --control, bf16-control's row is the spread two bf16 runs show
+#       on their own: the noise floor the recipes' gaps are read against)
 #
 # Runs seeds 1..SEEDS one after the other with the fm-train of build/ (run
 # tools/demo.sh once first); each run's full output lands in
@@ -32,7 +34,7 @@ echo "fm-train $* (seeds 1..$seeds)"
 for s in $(seq 1 "$seeds"); do
     "$bin" "$@" --seed "$s" --out "$out/seed-$s" >"$out/seed-$s.txt"
     # the final table's rows: | recipe | final loss | gap | bf16-forward loss | its gap | ...
-    awk -v s="$s" -F'|' '$2 ~ /^ (bf16|fp8-[a-z0-9-]+) $/ {
+    awk -v s="$s" -F'|' '$2 ~ /^ (bf16|bf16-control|fp8-[a-z0-9-]+) $/ {
         gsub(/ /, "", $2); gsub(/ /, "", $3); gsub(/[ %]/, "", $4); gsub(/[ %]/, "", $6); print s, $2, $3, $4, $6 }' \
         "$out/seed-$s.txt"
 done | tee "$out/gaps.txt" | awk '
@@ -45,8 +47,8 @@ done | tee "$out/gaps.txt" | awk '
     END {
         print "\n| recipe | seeds | mean gap to bf16 | smallest | largest | mean gap, final weights through bf16 layers |"
         print "|---|---:|---:|---:|---:|---:|"
-        split("fp8-blockwise fp8-flow fp8-flow-fp4", order, " ")
-        for (i = 1; i <= 3; i++)
+        split("fp8-blockwise fp8-flow fp8-flow-fp4 bf16-control", order, " ")
+        for (i = 1; i <= 4; i++)
             if ((r = order[i]) in n)
                 printf "| %s | %d | %+.2f%% | %+.2f%% | %+.2f%% | %+.2f%% |\n", r, n[r], sum[r] / n[r], lo[r], hi[r], sum16[r] / n[r]
     }'

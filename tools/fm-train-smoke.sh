@@ -1,8 +1,8 @@
 #!/bin/sh
 # fm_train_smoke: fm-train runs a few steps of every recipe on a tiny model and
 # exits 0; loss.csv has its header and one finite, positive row per step, and
-# every recipe's loss went down; loss.svg holds a curve per recipe; a bad flag
-# gives exit status 2.
+# every recipe's loss went down; loss.svg holds a curve per recipe; --control
+# adds a perturbed bf16 column; a bad flag gives exit status 2.
 #
 #   fm-train-smoke.sh FM_TRAIN OUT_DIR
 set -u
@@ -40,6 +40,18 @@ svg=$out/loss.svg
 curves=$(grep -c '<polyline' "$svg")
 [ "$curves" -eq 4 ] || fail "$svg has $curves curves, want 4"
 tail -n 1 "$svg" | grep -q '^</svg>$' || fail "$svg does not end with </svg>"
+
+# --control adds a sixth column, bf16-control, trained from perturbed weights:
+# its first loss differs from bf16's, and it trains too.
+"$exe" --steps 3 --layers 1 --hidden 64 --ffn 32 --experts 4 --topk 2 --tokens 32 --threads 1 --control \
+    --recipes bf16,fp8-flow --out "$out/control" >/dev/null || fail "fm-train --control exited with status $?"
+header=$(head -n 1 "$out/control/loss.csv")
+[ "$header" = "step,bf16,fp8-flow,bf16-control" ] || fail "--control: header is '$header'"
+awk -F, 'NR == 2 && $2 == $4 { print "bf16-control starts where bf16 does (" $2 ")"; exit 1 }' \
+    "$out/control/loss.csv" || fail "--control did not perturb the weights"
+"$exe" --recipes fp8-flow --control --out "$out/never" >/dev/null 2>&1
+rc=$?
+[ $rc -eq 2 ] || fail "--control without bf16 gave exit status $rc, want 2"
 
 "$exe" --experts 4 --topk 5 --out "$out/never" >/dev/null 2>&1
 rc=$?

@@ -41,6 +41,8 @@ typedef struct {
     fm_backend_kind backend;
     fm_recipe recipes[FM_RECIPE_COUNT];
     int nrecipes;
+    int control;   /* one more bf16 student from slightly perturbed initial weights */
+    int nstudents; /* nrecipes + control */
     int64_t steps, layers, hidden, ffn, experts, topk, tokens, threads, print_every, rank;
     uint64_t seed;
     double lr, wd;
@@ -70,7 +72,7 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: %s [--backend cpu|cuda] [--recipes LIST] [--steps N] [--seed S] [--layers L]\n"
             "          [--hidden H] [--ffn I] [--experts E] [--topk K] [--tokens T] [--lr LR] [--wd WD]\n"
-            "          [--teacher-rank R] [--threads N] [--print-every N] [--out DIR] [--help]\n"
+            "          [--teacher-rank R] [--threads N] [--print-every N] [--control] [--out DIR] [--help]\n"
             "\n"
             "Trains a small MoE model (L blocks x = x + MoE(RMSNorm(x)), AdamW, MSE) to imitate a fixed\n"
             "random teacher of the same shape, once per flowmoe recipe, from the same initial weights\n"
@@ -92,6 +94,8 @@ static void usage(FILE *f)
             "                    so that a short run learns a good part of it; 0 = full rank (default %lld)\n"
             "  --threads N       CPU backend threads, 0 = all cores (default 0)\n"
             "  --print-every N   a progress line every N steps (default: about 50 lines per run)\n"
+            "  --control         also train bf16-control: bf16 from initial weights changed by a relative\n"
+            "                    2^-12, whose gap to bf16 is how far two runs drift apart on this task alone\n"
             "  --out DIR         where loss.csv and loss.svg go (default %s)\n"
             "  --help            this text\n",
             prog, (long long)defaults.steps, (unsigned long long)defaults.seed, (long long)defaults.layers,
@@ -151,6 +155,10 @@ static int parse_args(int argc, char **argv, options *o)
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             usage(stdout);
             return 0;
+        }
+        if (!strcmp(a, "--control")) {
+            o->control = 1;
+            continue;
         }
         static const char *const with_value[] = {"--backend", "--recipes", "--steps", "--seed", "--layers",
                                                  "--hidden", "--ffn", "--experts", "--topk", "--tokens",
@@ -217,10 +225,18 @@ static int parse_args(int argc, char **argv, options *o)
     }
     if (o->topk > o->experts)
         return usage_error("%s", "--topk must not exceed --experts");
+    if (o->control) {
+        int has_bf16 = 0;
+        for (int r = 0; r < o->nrecipes; r++)
+            has_bf16 |= o->recipes[r] == FM_RECIPE_BF16;
+        if (!has_bf16)
+            return usage_error("%s", "--control needs bf16 among --recipes (its gap is to bf16)");
+    }
+    o->nstudents = o->nrecipes + o->control;
     /* Working set: the biggest buffers are the expert weights, ~20 floats per
      * weight per recipe (masters, grads, moments, layer copies). */
     double weights = (double)o->layers * (double)o->experts * 3.0 * (double)o->ffn * (double)o->hidden;
-    if (weights * 80.0 * o->nrecipes + (double)o->tokens * (double)o->hidden * 4.0 * 8 * (double)o->layers >
+    if (weights * 80.0 * o->nstudents + (double)o->tokens * (double)o->hidden * 4.0 * 8 * (double)o->layers >
         64.0 * (1ull << 30))
         return usage_error("%s", "the model is too large: it would need over 64 GiB of memory");
     if (!print_every_set)
@@ -284,6 +300,8 @@ typedef struct {
 
 typedef struct {
     fm_recipe recipe;
+    const char *name; /* the recipe's, or bf16-control */
+    int control;      /* bf16 from perturbed initial weights (--control) */
     block *blocks;
     double *loss;           /* [steps] */
     double seconds;         /* this recipe's share of the run */
@@ -577,12 +595,12 @@ static int write_outputs(const options *o, const student *st)
         return 1;
     }
     fputs("step", f);
-    for (int r = 0; r < o->nrecipes; r++)
-        fprintf(f, ",%s", fm_recipe_name(st[r].recipe));
+    for (int r = 0; r < o->nstudents; r++)
+        fprintf(f, ",%s", st[r].name);
     fputc('\n', f);
     for (int64_t i = 0; i < o->steps; i++) {
         fprintf(f, "%lld", (long long)(i + 1));
-        for (int r = 0; r < o->nrecipes; r++)
+        for (int r = 0; r < o->nstudents; r++)
             fprintf(f, ",%.9g", st[r].loss[i]);
         fputc('\n', f);
     }
@@ -598,15 +616,15 @@ static int write_outputs(const options *o, const student *st)
         fprintf(stderr, "%s: cannot write %s: %s\n", prog, path, strerror(errno));
         return 1;
     }
-    const char *names[FM_RECIPE_COUNT];
-    const double *curves[FM_RECIPE_COUNT];
-    for (int r = 0; r < o->nrecipes; r++)
-        names[r] = fm_recipe_name(st[r].recipe), curves[r] = st[r].loss;
+    const char *names[FM_RECIPE_COUNT + 1];
+    const double *curves[FM_RECIPE_COUNT + 1];
+    for (int r = 0; r < o->nstudents; r++)
+        names[r] = st[r].name, curves[r] = st[r].loss;
     char title[256];
     snprintf(title, sizeof title, "fm-train: %lld layers, H=%lld, I=%lld, E=%lld, top-%lld, %lld tokens/step, seed %llu",
              (long long)o->layers, (long long)o->hidden, (long long)o->ffn, (long long)o->experts,
              (long long)o->topk, (long long)o->tokens, (unsigned long long)o->seed);
-    int bad = svg_log_plot(f, title, "step", "MSE loss to the teacher (log scale)", o->nrecipes, names, curves,
+    int bad = svg_log_plot(f, title, "step", "MSE loss to the teacher (log scale)", o->nstudents, names, curves,
                            o->steps);
     if (fclose(f) || bad) {
         fprintf(stderr, "%s: cannot write %s: %s\n", prog, path, strerror(errno));
@@ -620,22 +638,23 @@ static void print_table(const trainer *tr, const student *st)
 {
     const options *o = tr->o;
     double base = NAN;
-    for (int r = 0; r < o->nrecipes; r++)
-        if (st[r].recipe == FM_RECIPE_BF16)
-            base = st[r].eval_loss;
+    int bi = -1; /* the bf16 student every gap is to */
+    for (int r = 0; r < o->nstudents && bi < 0; r++)
+        if (st[r].recipe == FM_RECIPE_BF16 && !st[r].control)
+            bi = r, base = st[r].eval_loss;
     int64_t n = o->steps < LAST_STEPS ? o->steps : LAST_STEPS;
     printf("\n| recipe | final loss (%d held-out batches) | gap to bf16 | the same weights, bf16 forward | gap to bf16 | "
            "training loss (last %lld) | casts / layer-step | saved for backward / layer | tokens/s |\n",
            EVAL_BATCHES, (long long)n);
     printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
-    for (int r = 0; r < o->nrecipes; r++) {
+    for (int r = 0; r < o->nstudents; r++) {
         const student *s = &st[r];
         char gap[32] = "-", gap16[32] = "-";
-        if (!isnan(base) && s->recipe != FM_RECIPE_BF16) {
+        if (bi >= 0 && r != bi) {
             snprintf(gap, sizeof gap, "%+.2f%%", 100.0 * (s->eval_loss - base) / base);
             snprintf(gap16, sizeof gap16, "%+.2f%%", 100.0 * (s->eval_bf16 - base) / base);
         }
-        printf("| %s | %.4e | %s | %.4e | %s | %.4e | %lld | %.0f B (%.1f KiB) | %.0f |\n", fm_recipe_name(s->recipe),
+        printf("| %s | %.4e | %s | %.4e | %s | %.4e | %lld | %.0f B (%.1f KiB) | %.0f |\n", s->name,
                s->eval_loss, gap, s->eval_bf16, gap16, final_loss(s, o->steps), (long long)s->info_casts,
                s->info_saved, s->info_saved / 1024.0,
                s->seconds > 0 ? (double)(o->tokens * o->steps) / s->seconds : 0);
@@ -708,8 +727,10 @@ static int run(trainer *tr, student *st)
          * starts at the teacher's own variance, not at that plus the student's. */
         tr_init_moe(&init_rng, &shape, 1.0, 0.1, init[l].p[P_ROUTER], init[l].p[P_W1], init[l].p[P_W2]);
     }
-    for (int r = 0; r < o->nrecipes && !rc; r++) {
-        st[r].recipe = o->recipes[r];
+    for (int r = 0; r < o->nstudents && !rc; r++) {
+        st[r].control = r >= o->nrecipes;
+        st[r].recipe = st[r].control ? FM_RECIPE_BF16 : o->recipes[r];
+        st[r].name = st[r].control ? "bf16-control" : fm_recipe_name(st[r].recipe);
         st[r].loss = calloc((size_t)o->steps, sizeof(double));
         st[r].blocks = calloc((size_t)L, sizeof(block));
         if (!st[r].loss || !st[r].blocks) {
@@ -718,7 +739,15 @@ static int run(trainer *tr, student *st)
             break;
         }
         for (int64_t l = 0; l < L && !rc; l++)
-            rc = block_create(tr, o->recipes[r], &st[r].blocks[l], &init[l]);
+            rc = block_create(tr, st[r].recipe, &st[r].blocks[l], &init[l]);
+        /* The control's weights: each times 1 + 2^-12 u, u uniform in
+         * [-1, 1), far below a bf16 rounding step. */
+        tr_rng prng;
+        tr_rng_seed(&prng, o->seed ^ 0x636f6e74726f6c21u);
+        for (int64_t l = 0; l < L && !rc && st[r].control; l++)
+            for (int q = 0; q < NPARAM; q++)
+                for (int64_t i = 0; i < tr->count[q]; i++)
+                    st[r].blocks[l].p[q][i] *= (float)(1.0 + (2.0 * tr_uniform(&prng) - 1.0) / 4096.0);
     }
     if (!rc) {
         void *a, *b;
@@ -737,8 +766,8 @@ static int run(trainer *tr, student *st)
            prog, (long long)L, (long long)H, (long long)I, (long long)E, (long long)o->topk, (long long)T,
            (long long)o->steps, o->lr, (unsigned long long)o->seed, fm_context_backend_name(tr->ctx));
     printf("%8s", "step");
-    for (int r = 0; r < o->nrecipes; r++)
-        printf("  %13s", fm_recipe_name(o->recipes[r]));
+    for (int r = 0; r < o->nstudents; r++)
+        printf("  %13s", st[r].name);
     printf("  %10s\n", "tokens/s");
 
     tr_rng data;
@@ -752,15 +781,15 @@ static int run(trainer *tr, student *st)
             rc = 1;
             break;
         }
-        for (int r = 0; r < o->nrecipes && !rc; r++)
+        for (int r = 0; r < o->nstudents && !rc; r++)
             rc = train_step(tr, &st[r], step, x, y);
         since++;
         if (!rc && (step % o->print_every == 0 || step == o->steps || step == 1)) {
             double t = now_s();
             printf("%8lld", (long long)step);
-            for (int r = 0; r < o->nrecipes; r++)
+            for (int r = 0; r < o->nstudents; r++)
                 printf("  %13.4e", st[r].loss[step - 1]);
-            printf("  %10.0f\n", (double)(T * since * o->nrecipes) / (t - tick));
+            printf("  %10.0f\n", (double)(T * since * o->nstudents) / (t - tick));
             fflush(stdout);
             tick = t, since = 0;
         }
@@ -768,7 +797,7 @@ static int run(trainer *tr, student *st)
     if (rc)
         goto done;
     double wall = now_s() - wall0;
-    for (int r = 0; r < o->nrecipes; r++)
+    for (int r = 0; r < o->nstudents; r++)
         keep_info(tr, &st[r]);
     {
         float *xs = malloc((size_t)(EVAL_BATCHES * T * H) * sizeof *xs), *ys = malloc((size_t)(EVAL_BATCHES * T * H) * sizeof *ys);
@@ -784,23 +813,23 @@ static int run(trainer *tr, student *st)
                 rc = 1;
             }
         }
-        for (int r = 0; r < o->nrecipes && !rc; r++)
+        for (int r = 0; r < o->nstudents && !rc; r++)
             rc = evaluate(tr, &st[r], xs, ys, &st[r].eval_loss);
-        for (int r = 0; r < o->nrecipes && !rc; r++)
+        for (int r = 0; r < o->nstudents && !rc; r++)
             rc = evaluate_in_bf16(tr, &st[r], xs, ys);
         free(xs), free(ys);
     }
     if (rc)
         goto done;
     print_table(tr, st);
-    for (int r = 0; r < o->nrecipes; r++)
+    for (int r = 0; r < o->nstudents; r++)
         check_casts(tr, &st[r]);
-    printf("\n%lld steps x %d recipes in %.1f s (tokens/s: each recipe's own time, teacher excluded)\n",
-           (long long)o->steps, o->nrecipes, wall);
+    printf("\n%lld steps x %d students in %.1f s (tokens/s: each recipe's own time, teacher excluded)\n",
+           (long long)o->steps, o->nstudents, wall);
     rc = write_outputs(o, st);
 
 done:
-    for (int r = 0; r < o->nrecipes; r++) {
+    for (int r = 0; r < o->nstudents; r++) {
         for (int64_t l = 0; st[r].blocks && l < L; l++)
             block_destroy(tr, &st[r].blocks[l]);
         free(st[r].blocks), free(st[r].loss);
@@ -837,7 +866,7 @@ int main(int argc, char **argv)
     tr.count[P_ROUTER] = o.experts * o.hidden;
     tr.count[P_W1] = o.experts * 2 * o.ffn * o.hidden;
     tr.count[P_W2] = o.experts * o.hidden * o.ffn;
-    student st[FM_RECIPE_COUNT] = {0};
+    student st[FM_RECIPE_COUNT + 1] = {0};
     rc = run(&tr, st);
     fm_context_destroy(ctx);
     return rc;
