@@ -740,14 +740,16 @@ static int run(trainer *tr, student *st)
         }
         for (int64_t l = 0; l < L && !rc; l++)
             rc = block_create(tr, st[r].recipe, &st[r].blocks[l], &init[l]);
-        /* The control's weights: each times 1 + 2^-12 u, u uniform in
-         * [-1, 1), far below a bf16 rounding step. */
-        tr_rng prng;
-        tr_rng_seed(&prng, o->seed ^ 0x636f6e74726f6c21u);
-        for (int64_t l = 0; l < L && !rc && st[r].control; l++)
-            for (int q = 0; q < NPARAM; q++)
-                for (int64_t i = 0; i < tr->count[q]; i++)
-                    st[r].blocks[l].p[q][i] *= (float)(1.0 + (2.0 * tr_uniform(&prng) - 1.0) / 4096.0);
+        if (st[r].control && !rc) {
+            /* The control's weights: each times 1 + 2^-12 u, u uniform in
+             * [-1, 1), far below a bf16 rounding step. */
+            tr_rng prng;
+            tr_rng_seed(&prng, o->seed ^ 0x636f6e74726f6c21u);
+            for (int64_t l = 0; l < L; l++)
+                for (int q = 0; q < NPARAM; q++)
+                    for (int64_t i = 0; i < tr->count[q]; i++)
+                        st[r].blocks[l].p[q][i] *= (float)(1.0 + (2.0 * tr_uniform(&prng) - 1.0) / 4096.0);
+        }
     }
     if (!rc) {
         void *a, *b;
