@@ -44,6 +44,9 @@ fm_status fm_cpu_moe_swiglu_backward(fm_context *ctx, const fm_quant_config *cfg
 #define FM_CPU_MAX_WORKERS 64
 typedef void (*fm_cpu_range_fn)(void *arg, int64_t begin, int64_t end, int worker);
 void fm_cpu_parallel_for(const fm_context *ctx, int64_t n, int64_t min_chunk, fm_cpu_range_fn fn, void *arg);
+/* The most workers fm_cpu_parallel_for runs (1..64): what per-worker scratch
+ * is sized by. */
+int fm_cpu_workers(const fm_context *ctx);
 
 /* Loading unscaled elements as F32 (exact). */
 static inline float fm_cpu_load_f32(const void *p, fm_dtype t, int64_t i)

@@ -102,11 +102,17 @@ static void *run_job(void *p)
     return NULL;
 }
 
+int fm_cpu_workers(const fm_context *ctx)
+{
+    int w = ctx->cpu_threads > 0 ? ctx->cpu_threads : 1;
+    return w < FM_CPU_MAX_WORKERS ? w : FM_CPU_MAX_WORKERS;
+}
+
 void fm_cpu_parallel_for(const fm_context *ctx, int64_t n, int64_t min_chunk, fm_cpu_range_fn fn, void *arg)
 {
     if (n <= 0)
         return;
-    int64_t workers = ctx->cpu_threads > 0 ? ctx->cpu_threads : 1;
+    int64_t workers = fm_cpu_workers(ctx);
     if (min_chunk < 1)
         min_chunk = 1;
     if (workers > n / min_chunk)
@@ -115,8 +121,6 @@ void fm_cpu_parallel_for(const fm_context *ctx, int64_t n, int64_t min_chunk, fm
         fn(arg, 0, n, 0);
         return;
     }
-    if (workers > FM_CPU_MAX_WORKERS)
-        workers = FM_CPU_MAX_WORKERS;
     range_job jobs[FM_CPU_MAX_WORKERS];
     pthread_t th[FM_CPU_MAX_WORKERS];
     int started[FM_CPU_MAX_WORKERS] = {0};

@@ -239,9 +239,7 @@ static void run(fm_context *ctx, gjob *j)
 
 static fm_status job_init(fm_context *ctx, gjob *j, const fm_gemm_config *cfg, fm_tensor *d, const char *op)
 {
-    int workers = ctx->cpu_threads > 0 ? ctx->cpu_threads : 1;
-    if (workers > FM_CPU_MAX_WORKERS)
-        workers = FM_CPU_MAX_WORKERS;
+    int workers = fm_cpu_workers(ctx);
     j->scratch_per_worker = MC * KC + NB * KC + 2 * MC * NB + MC + NB;
     j->scratch = malloc(sizeof(double) * j->scratch_per_worker * (size_t)workers);
     if (!j->scratch)

@@ -59,6 +59,14 @@ fm_status fm_cpu_moe_router(fm_context *ctx, const fm_router_config *cfg, const 
 {
     int64_t T = logits->shape[0], E = logits->shape[1];
     int k = cfg->topk;
+    int64_t *cnt = tokens_per_expert ? tokens_per_expert->data : NULL;
+    if (cnt)
+        for (int64_t e = 0; e < E; e++)
+            cnt[e] = 0;
+    /* No tokens: nothing bounds E (logits [0, E] hold nothing), so no
+     * per-expert scratch. */
+    if (T == 0)
+        return FM_OK;
     float *buf = malloc((size_t)E * 3 * sizeof(float));
     unsigned char *taken = malloc((size_t)E);
     if (!buf || !taken) {
@@ -68,10 +76,6 @@ fm_status fm_cpu_moe_router(fm_context *ctx, const fm_router_config *cfg, const 
                         (long long)E);
     }
     float *s = buf, *ex = buf + E, *key = buf + 2 * E;
-    int64_t *cnt = tokens_per_expert ? tokens_per_expert->data : NULL;
-    if (cnt)
-        for (int64_t e = 0; e < E; e++)
-            cnt[e] = 0;
     for (int64_t t = 0; t < T; t++) {
         const float *x = (const float *)logits->data + t * E;
         int32_t *ids = (int32_t *)expert_ids->data + t * k;
@@ -107,6 +111,8 @@ fm_status fm_cpu_moe_router_backward(fm_context *ctx, const fm_router_config *cf
         if (all_ids[i] < 0 || all_ids[i] >= E)
             return fm_error(ctx, FM_ERR_INVALID_ARG, "expert_ids: entry [%lld, %lld] is %d, outside [0, E = %lld)",
                             (long long)(i / k), (long long)(i % k), (int)all_ids[i], (long long)E);
+    if (T == 0)
+        return FM_OK;
     float *buf = malloc((size_t)(3 * E + 3 * k) * sizeof(float));
     if (!buf)
         return fm_error(ctx, FM_ERR_OUT_OF_MEMORY, "fm_moe_router_backward: out of host memory");

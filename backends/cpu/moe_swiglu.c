@@ -94,7 +94,9 @@ static fm_status run(fm_context *ctx, const fm_quant_config *cfg, const fm_tenso
 {
     int64_t M = in->shape[0], I = in->shape[1] / 2, C = dh ? 2 * I : I;
     float *h = malloc((size_t)(M * C > 0 ? M * C : 1) * sizeof(float));
-    float *scratch = malloc((size_t)FM_CPU_MAX_WORKERS * 3 * (size_t)(I ? I : 1) * sizeof(float));
+    /* Per-worker rows only where there are rows: [0, 2I] bounds no I. */
+    size_t width = M > 0 && I > 0 ? (size_t)I : 1;
+    float *scratch = malloc((size_t)fm_cpu_workers(ctx) * 3 * width * sizeof(float));
     fm_status st = FM_OK;
     if (!h || !scratch)
         st = fm_error(ctx, FM_ERR_OUT_OF_MEMORY, "%s: out of host memory for the F32 [%lld, %lld] activation",

@@ -50,9 +50,10 @@ fm_status fm_cpu_moe_unpermute(fm_context *ctx, const fm_tensor *y, const fm_ten
 {
     int64_t T = slot_rows->shape[0], H = y->shape[1];
     fm_status st = check_rows_in(ctx, slot_rows, "slot_rows", -1, y->shape[0]);
-    if (st)
+    /* No tokens: nothing bounds H, so no row scratch either. */
+    if (st || T == 0)
         return st;
-    float *scratch = malloc((size_t)FM_CPU_MAX_WORKERS * 2 * (size_t)(H ? H : 1) * sizeof(float));
+    float *scratch = malloc((size_t)fm_cpu_workers(ctx) * 2 * (size_t)(H ? H : 1) * sizeof(float));
     if (!scratch)
         return fm_error(ctx, FM_ERR_OUT_OF_MEMORY, "fm_moe_unpermute: out of host memory");
     unperm_job jb = {y, NULL, probs, slot_rows, NULL, out, NULL, NULL, slot_rows->shape[1], H, scratch};
@@ -109,9 +110,10 @@ fm_status fm_cpu_moe_unpermute_backward(fm_context *ctx, const fm_tensor *dout, 
     fm_status st = check_rows_in(ctx, row_map, "row_map", -1, T * k);
     if (!st && dprobs)
         st = check_rows_in(ctx, slot_rows, "slot_rows", -1, R);
-    if (st)
+    /* No row to write and no dot to take: nothing bounds H. */
+    if (st || (R == 0 && (!dprobs || T == 0)))
         return st;
-    float *scratch = malloc((size_t)FM_CPU_MAX_WORKERS * 2 * (size_t)(H ? H : 1) * sizeof(float));
+    float *scratch = malloc((size_t)fm_cpu_workers(ctx) * 2 * (size_t)(H ? H : 1) * sizeof(float));
     if (!scratch)
         return fm_error(ctx, FM_ERR_OUT_OF_MEMORY, "fm_moe_unpermute_backward: out of host memory");
     unperm_job jb = {y, dout, probs, slot_rows, row_map, NULL, dy, dprobs, k, H, scratch};

@@ -251,16 +251,29 @@ fm_status fm_cpu_quantize(fm_context *ctx, const fm_quant_config *cfg, const fm_
     if (out_col)
         plan_init(&p[np++], out_col, 1, fm_effective_rule(cfg->rule, out_col->scale_mode), rows, cols);
 
+    /* Nothing to encode and no scale to write: no scratch either, which a
+     * [0, 2^31 - 2] input would size by its width. */
+    if ((E == 0 || rows == 0 || cols == 0) && (!out_row || fm_tensor_scale_count(out_row) == 0) &&
+        (!out_col || fm_tensor_scale_count(out_col) == 0)) {
+        if (cfg->amax)
+            *cfg->amax = 0.0f;
+        if (cfg->nonfinite_blocks)
+            *cfg->nonfinite_blocks = 0;
+        return FM_OK;
+    }
     int64_t panels = fm_cdiv(rows, 128);
-    int64_t workers = ctx->cpu_threads < FM_CPU_MAX_WORKERS ? ctx->cpu_threads : FM_CPU_MAX_WORKERS;
+    int64_t workers = fm_cpu_workers(ctx);
     fm_status st = FM_OK;
-    float *rowbuf = malloc((size_t)(cols ? cols : 1) * sizeof(float));
+    /* Row buffers only where there are rows: a TENSOR-mode [0, C] has a scale
+     * to write but nothing to load. */
+    size_t width = E > 0 && rows > 0 && cols > 0 ? (size_t)cols : 1;
+    float *rowbuf = malloc(width * sizeof(float));
     float *tiles = malloc((size_t)workers * 128 * 256 * sizeof(float));
     for (int k = 0; k < np; k++) {
         size_t nb = (size_t)(p[k].nbr * p[k].nbc);
         p[k].amax = malloc((nb ? nb : 1) * sizeof(uint32_t));
         p[k].mult = malloc((nb ? nb : 1) * sizeof(float));
-        p[k].colmax = calloc((size_t)(cols ? cols : 1), sizeof(uint32_t));
+        p[k].colmax = calloc(width, sizeof(uint32_t));
         if (!p[k].amax || !p[k].mult || !p[k].colmax)
             st = FM_ERR_OUT_OF_MEMORY;
     }
