@@ -29,9 +29,20 @@ struct fm_moe_layer {
     int64_t T, R;              /* tokens and used rows of the last forward */
     int have_forward, have_weights;
     fm_moe_layer_info info;
+    /* expert parallelism: nranks 1 and El = experts without a comm */
+    int nranks;
+    int64_t El;                /* local experts */
+    int64_t cap;               /* rows a rank can receive: nranks * max_tokens */
+    int64_t Rr;                /* rows received by the last forward (T without a comm) */
 
     /* routing */
     lbuf logits, ids, probs, tpe, row_map, slot_rows, splits, rprobs, ones, dprobs, dprobs_rows, dlogits, scratch1;
+    /* expert parallelism: received ids [cap, k] (local), probs, d(probs); the
+     * BF16 partial sums sent back (y, then dx) */
+    lbuf rids, rprobk, dprobk;
+    qbuf yr;
+    qbuf xr, xin4, xr4;        /* received x (payload format); fp4: x and received x in MXFP4 */
+    qbuf dyr;                  /* received dy */
     /* weights (refreshed) */
     qbuf w1, w1t, w2, w2t;     /* BF16: w*t are transposed copies; FP8: 128x128 row-wise and column-wise */
     /* forward */
@@ -88,9 +99,19 @@ static int pad_of(const fm_moe_layer_config *c)
     return is_fp8(c->recipe) ? PAD_FP8 : 1;
 }
 
-static int64_t max_rows(const fm_moe_layer_config *c)
+/* Ranks, local experts and receive capacity from the config (checked). */
+static void ep_shape(fm_moe_layer *L)
 {
-    return c->max_tokens * c->topk + c->experts * (pad_of(c) - 1);
+    L->nranks = L->cfg.comm ? fm_comm_size(L->cfg.comm) : 1;
+    L->El = L->cfg.experts / L->nranks;
+    L->cap = L->nranks * L->cfg.max_tokens;
+}
+
+/* Rows of the permuted buffers: every routed slot a rank can receive (all
+ * ranks' tokens, k each) plus each local expert's padding. */
+static int64_t max_rows(const fm_moe_layer *L)
+{
+    return L->nranks * L->cfg.max_tokens * L->cfg.topk + L->El * (pad_of(&L->cfg) - 1);
 }
 
 /* Element bytes of an [rows, cols] matrix. */
@@ -149,24 +170,38 @@ static qbuf take_gcol(planner *p, fm_dtype dt, fm_scale_mode m, int64_t rows, in
 static void plan(fm_moe_layer *L, planner *p)
 {
     const fm_moe_layer_config *c = &L->cfg;
-    int64_t T = c->max_tokens, E = c->experts, H = c->hidden, I = c->ffn, k = c->topk, R = max_rows(c);
+    int64_t T = c->max_tokens, Eg = c->experts, H = c->hidden, I = c->ffn, k = c->topk, R = max_rows(L);
+    int64_t E = L->El, C = L->cap; /* local experts; rows received (T on one rank) */
     fm_recipe rc = c->recipe;
     const fm_dtype B = FM_DTYPE_BF16, Q = FM_DTYPE_E4M3, F4 = FM_DTYPE_E2M1;
     const fm_scale_mode S = FM_SCALE_BLOCK_1x128, MX = FM_SCALE_MX32;
 
-    L->logits = take(p, T * E * 4);
+    L->logits = take(p, T * Eg * 4);
     L->ids = take(p, T * k * 4);
     L->probs = take(p, T * k * 4);
-    L->tpe = take(p, E * 8);
+    L->tpe = take(p, Eg * 8);
     L->row_map = take(p, R * 4);
-    L->slot_rows = take(p, T * k * 4);
+    L->slot_rows = take(p, C * k * 4);
     L->splits = take(p, E * 8);
     L->rprobs = take(p, R * 4);
-    L->ones = take(p, T * 4);
+    L->ones = take(p, C * 4);
     L->dprobs = take(p, T * k * 4);
     L->dprobs_rows = take(p, R * 4);
-    L->dlogits = take(p, T * E * 4);
+    L->dlogits = take(p, T * Eg * 4);
     L->scratch1 = take(p, R * 4);
+    if (c->comm) {
+        int fp8_payload = is_flow(rc);
+        L->rids = take(p, C * k * 4);
+        L->rprobk = take(p, C * k * 4);
+        L->dprobk = take(p, C * k * 4);
+        L->yr = take_q(p, B, FM_SCALE_NONE, C, H);
+        L->xr = fp8_payload ? take_q(p, Q, S, C, H) : take_q(p, B, FM_SCALE_NONE, C, H);
+        L->dyr = fp8_payload ? take_q(p, Q, S, C, H) : take_q(p, B, FM_SCALE_NONE, C, H);
+        if (rc == FM_RECIPE_FP8_FLOW_FP4) {
+            L->xin4 = take_q(p, F4, MX, T, H);
+            L->xr4 = take_q(p, F4, MX, C, H);
+        }
+    }
 
     if (rc == FM_RECIPE_BF16) {
         L->w1 = take_q(p, B, FM_SCALE_NONE, E * 2 * I, H);
@@ -334,6 +369,17 @@ static fm_status check_config(fm_context *ctx, const fm_moe_layer_config *c)
         return fm_error(ctx, FM_ERR_INVALID_ARG,
                         "cfg->pad_multiple: %d; FP8 recipes pad experts to a multiple of 128 rows (0 picks 128)",
                         c->pad_multiple);
+    if (c->comm) {
+        int n = fm_comm_size(c->comm);
+        if (n < 1 || c->experts % n)
+            return fm_error(ctx, FM_ERR_INVALID_ARG,
+                            "cfg->comm: its %d ranks must split cfg->experts (%lld) into equal contiguous blocks", n,
+                            (long long)c->experts);
+        if ((int64_t)n * c->max_tokens > INT32_MAX / c->topk)
+            return fm_error(ctx, FM_ERR_INVALID_ARG,
+                            "cfg: %d ranks x max_tokens (%lld) x topk (%d) routed rows must stay below 2^31", n,
+                            (long long)c->max_tokens, c->topk);
+    }
     return FM_OK;
 }
 
@@ -350,6 +396,7 @@ fm_status fm_moe_layer_workspace_size(fm_context *ctx, const fm_moe_layer_config
     fm_moe_layer L;
     memset(&L, 0, sizeof L);
     L.cfg = *cfg;
+    ep_shape(&L);
     planner p = {NULL, 0};
     plan(&L, &p);
     *bytes = p.off;
@@ -375,6 +422,7 @@ fm_status fm_moe_layer_create(fm_context *ctx, const fm_moe_layer_config *cfg, f
     if (L->cfg.pad_multiple == 0)
         L->cfg.pad_multiple = pad_of(cfg);
     L->act_dt = FM_DTYPE_E4M3;
+    ep_shape(L);
     planner p = {NULL, 0};
     plan(L, &p);
     L->mem_bytes = p.off;
@@ -392,15 +440,14 @@ fm_status fm_moe_layer_create(fm_context *ctx, const fm_moe_layer_config *cfg, f
     plan(L, &p);
     /* The all-ones column that turns fm_moe_unpermute_backward into the
      * row -> slot gather of d(probabilities). */
-    float *ones = malloc((size_t)cfg->max_tokens * sizeof(float));
+    float *ones = malloc((size_t)L->cap * sizeof(float));
     if (!ones) {
         fm_moe_layer_destroy(L);
         return fm_error(ctx, FM_ERR_OUT_OF_MEMORY, "fm_moe_layer_create: out of host memory");
     }
-    for (int64_t i = 0; i < cfg->max_tokens; i++)
+    for (int64_t i = 0; i < L->cap; i++)
         ones[i] = 1.0f;
-    st = fm_context_copy(ctx, L->ones.p, fm_context_device(ctx), ones, FM_DEVICE_HOST,
-                         (size_t)cfg->max_tokens * sizeof(float));
+    st = fm_context_copy(ctx, L->ones.p, fm_context_device(ctx), ones, FM_DEVICE_HOST, (size_t)L->cap * sizeof(float));
     free(ones);
     if (st) {
         fm_moe_layer_destroy(L);
@@ -458,7 +505,7 @@ fm_status fm_moe_layer_refresh_weights(fm_moe_layer *L, const fm_moe_weights *w)
     fm_status st = check_weights(L, w, 0);
     if (st)
         return st;
-    int64_t E = L->cfg.experts, H = L->cfg.hidden, I = L->cfg.ffn, c0 = casts_now(ctx);
+    int64_t E = L->El, H = L->cfg.hidden, I = L->cfg.ffn, c0 = casts_now(ctx);
     fm_tensor w1 = plain3(L, w->w1, FM_DTYPE_F32, E, 2 * I, H), w2 = plain3(L, w->w2, FM_DTYPE_F32, E, H, I);
     if (L->cfg.recipe == FM_RECIPE_BF16) {
         /* Row-wise copies for the forward, transposed ones ([E, H, 2I] and
@@ -488,7 +535,7 @@ fm_status fm_moe_layer_refresh_weights(fm_moe_layer *L, const fm_moe_weights *w)
  * seen through fm_tensor_t). */
 static fm_tensor weight_b(fm_moe_layer *L, int which, int dgrad)
 {
-    int64_t E = L->cfg.experts, H = L->cfg.hidden, I = L->cfg.ffn;
+    int64_t E = L->El, H = L->cfg.hidden, I = L->cfg.ffn;
     int64_t rows = which == 1 ? 2 * I : H, cols = which == 1 ? H : I;
     const qbuf *q = which == 1 ? (dgrad ? &L->w1t : &L->w1) : (dgrad ? &L->w2t : &L->w2);
     if (L->cfg.recipe == FM_RECIPE_BF16)
@@ -522,12 +569,68 @@ static int64_t tensor_total(const fm_tensor *t)
     return fm_tensor_nbytes(t) + (t->scale_mode ? fm_tensor_scale_nbytes(t) : 0);
 }
 
-fm_status fm_moe_layer_forward(fm_moe_layer *L, const fm_moe_weights *w, const fm_tensor *x, fm_tensor *y)
+/* With a comm, a failed step on this rank must not leave the others waiting
+ * in a collective it will never join. */
+static fm_status ep_fail(fm_moe_layer *L, fm_status st)
 {
-    if (!L)
-        return FM_ERR_INVALID_ARG;
+    if (st && L->cfg.comm)
+        fm_comm_abort(L->cfg.comm);
+    return st;
+}
+
+/* The tokens' rows as the local permute takes them: this rank's own (one
+ * rank), or the rows other ranks sent here. `in` is the payload [T, H] in
+ * the recipe's precision; on return *rows_in is the permute's input and
+ * *Rr its row count. fp4 (x only) sends MXFP4 and turns it back into FP8. */
+static fm_status ep_dispatch(fm_moe_layer *L, fm_tensor *in, const qbuf *recv, const fm_tensor *ids,
+                             const fm_tensor *probs, int with_fp4, fm_tensor *rows_in, int64_t *Rr)
+{
     fm_context *ctx = L->ctx;
-    fm_error_clear(ctx);
+    int64_t T = in->shape[0], H = L->cfg.hidden, k = L->cfg.topk;
+    fm_status st;
+    fm_requant_config rq = {0};
+    fm_ep_config ep = {.experts_per_rank = (int)L->El};
+    fm_tensor send = *in, got;
+    if (with_fp4) {
+        send = act4(L, &L->xin4, T, H);
+        got = act4(L, &L->xr4, L->cap, H);
+        if ((st = fm_convert_scaled(ctx, &rq, in, &send)))
+            return st;
+    } else {
+        got = in->scale_mode ? act8(L, recv, L->cap, H) : bf(L, recv, L->cap, H);
+    }
+    fm_tensor rids = plain(L, &L->rids, FM_DTYPE_I32, L->cap, k), rp = plain(L, &L->rprobk, FM_DTYPE_F32, L->cap, k);
+    fm_ep_dispatch_out o = {.x = &got, .expert_ids = probs ? &rids : NULL, .probs = probs ? &rp : NULL};
+    if ((st = fm_ep_dispatch(ctx, L->cfg.comm, &ep, &send, ids, probs, &o)))
+        return st;
+    *Rr = o.rows;
+    *rows_in = in->scale_mode ? act8(L, recv, o.rows, H) : bf(L, recv, o.rows, H);
+    if (with_fp4) {
+        got.shape[0] = o.rows;
+        if ((st = fm_convert_scaled(ctx, &rq, &got, rows_in)))
+            return st;
+    }
+    return FM_OK;
+}
+
+/* Rows [Rr, H] of this rank's experts, summed per received row (the
+ * unpermute), back to the tokens: out [T, H] F32, directly on one rank, else
+ * through BF16 partial sums and fm_ep_combine. */
+static fm_status ep_combine(fm_moe_layer *L, fm_tensor *rows, const fm_tensor *slot_rows, const fm_tensor *ids,
+                            fm_tensor *out)
+{
+    fm_context *ctx = L->ctx;
+    if (!L->cfg.comm)
+        return fm_moe_unpermute(ctx, rows, slot_rows, NULL, out);
+    fm_tensor part = bf(L, &L->yr, slot_rows->shape[0], L->cfg.hidden);
+    fm_ep_config ep = {.experts_per_rank = (int)L->El};
+    fm_status st = fm_moe_unpermute(ctx, rows, slot_rows, NULL, &part);
+    return st ? st : fm_ep_combine(ctx, L->cfg.comm, &ep, ids, &part, out);
+}
+
+static fm_status forward(fm_moe_layer *L, const fm_moe_weights *w, const fm_tensor *x, fm_tensor *y)
+{
+    fm_context *ctx = L->ctx;
     fm_status st;
     if ((st = check_weights(L, w, 0)) || (st = check_io(L, x, "x", -1)) || (st = check_io(L, y, "y", x->shape[0])))
         return st;
@@ -536,19 +639,19 @@ fm_status fm_moe_layer_forward(fm_moe_layer *L, const fm_moe_weights *w, const f
                         "layer: no weights yet; call fm_moe_layer_refresh_weights after each optimizer step");
     const fm_moe_layer_config *c = &L->cfg;
     fm_recipe rc = c->recipe;
-    int64_t T = x->shape[0], E = c->experts, H = c->hidden, I = c->ffn, k = c->topk, Rm = max_rows(c);
+    int64_t T = x->shape[0], Eg = c->experts, E = L->El, H = c->hidden, I = c->ffn, k = c->topk, Rm = max_rows(L);
     int64_t c0 = casts_now(ctx);
     fm_quant_config qc = {.rule = FM_SCALE_RULE_POW2};
 
-    /* Router, in F32. */
-    fm_tensor wr = plain(L, &(lbuf){w->router, 0}, FM_DTYPE_F32, E, H);
-    fm_tensor logits = plain(L, &L->logits, FM_DTYPE_F32, T, E);
+    /* Router, in F32, over every expert. */
+    fm_tensor wr = plain(L, &(lbuf){w->router, 0}, FM_DTYPE_F32, Eg, H);
+    fm_tensor logits = plain(L, &L->logits, FM_DTYPE_F32, T, Eg);
     fm_gemm_config g0 = {0};
     if ((st = fm_gemm(ctx, &g0, x, &wr, &logits)))
         return st;
     fm_router_config rcfg = {.topk = c->topk, .score = c->score, .renormalize = c->renormalize};
     fm_tensor ids = plain(L, &L->ids, FM_DTYPE_I32, T, k), probs = plain(L, &L->probs, FM_DTYPE_F32, T, k);
-    fm_tensor tpe = plain(L, &L->tpe, FM_DTYPE_I64, 1, E);
+    fm_tensor tpe = plain(L, &L->tpe, FM_DTYPE_I64, 1, Eg);
     if ((st = fm_moe_router(ctx, &rcfg, &logits, &ids, &probs, &tpe)))
         return st;
 
@@ -565,12 +668,22 @@ fm_status fm_moe_layer_forward(fm_moe_layer *L, const fm_moe_weights *w, const f
             return st;
         xp = act8(L, &L->xp, Rm, H);
     }
+    /* Over expert parallelism the permute takes the rows other ranks sent,
+     * with their local ids and probabilities. */
+    fm_tensor pin = xin, pids = ids, pprobs = probs;
+    int64_t Rr = T;
+    if (c->comm) {
+        if ((st = ep_dispatch(L, &xin, &L->xr, &ids, &probs, rc == FM_RECIPE_FP8_FLOW_FP4, &pin, &Rr)))
+            return st;
+        pids = plain(L, &L->rids, FM_DTYPE_I32, Rr, k);
+        pprobs = plain(L, &L->rprobk, FM_DTYPE_F32, Rr, k);
+    }
     fm_permute_config pc = {.pad_multiple = c->pad_multiple};
     fm_tensor row_map = plain(L, &L->row_map, FM_DTYPE_I32, Rm, 1);
-    fm_tensor slot_rows = plain(L, &L->slot_rows, FM_DTYPE_I32, T, k);
+    fm_tensor slot_rows = plain(L, &L->slot_rows, FM_DTYPE_I32, Rr, k);
     fm_tensor splits = plain(L, &L->splits, FM_DTYPE_I64, 1, E);
     fm_tensor rprobs = plain(L, &L->rprobs, FM_DTYPE_F32, Rm, 1);
-    if ((st = fm_moe_permute(ctx, &pc, &xin, &ids, &probs, &xp, &row_map, &slot_rows, &splits, &rprobs,
+    if ((st = fm_moe_permute(ctx, &pc, &pin, &pids, &pprobs, &xp, &row_map, &slot_rows, &splits, &rprobs,
                              L->host_splits)))
         return st;
     int64_t R = 0;
@@ -638,19 +751,29 @@ fm_status fm_moe_layer_forward(fm_moe_layer *L, const fm_moe_weights *w, const f
     if ((st = fm_grouped_gemm(ctx, &g0, &sp, &h_in, &w2, &yp)))
         return st;
     yp.shape[0] = Rm; /* slot_rows index the whole permuted buffer */
-    if ((st = fm_moe_unpermute(ctx, &yp, &slot_rows, NULL, y)))
+    if ((st = ep_combine(L, &yp, &slot_rows, &ids, y)))
         return st;
 
-    /* Routing state kept for backward: logits, ids, probs, maps, row probs. */
-    saved += T * E * 4 + T * k * 4 * 3 + R * 4 * 2;
+    /* Routing state kept for backward: logits, ids, probs, maps, row probs
+     * (and the received rows' ids and probs). */
+    saved += T * Eg * 4 + T * k * 4 * 2 + Rr * k * 4 + R * 4 * 2 + (c->comm ? Rr * k * 8 : 0);
     L->T = T;
     L->R = R;
+    L->Rr = Rr;
     L->have_forward = 1;
     L->info.saved_bytes = saved;
     L->info.routed_rows = T * k;
     L->info.padded_rows = R;
     L->info.casts_per_step = casts_now(ctx) - c0;
     return FM_OK;
+}
+
+fm_status fm_moe_layer_forward(fm_moe_layer *L, const fm_moe_weights *w, const fm_tensor *x, fm_tensor *y)
+{
+    if (!L)
+        return FM_ERR_INVALID_ARG;
+    fm_error_clear(L->ctx);
+    return ep_fail(L, forward(L, w, x, y));
 }
 
 /* ---- backward ------------------------------------------------------------- */
@@ -661,7 +784,7 @@ static fm_status wgrad_bf16(fm_moe_layer *L, const qbuf *dy, int64_t N, const qb
 {
     fm_gemm_config acc = {.accumulate = 1};
     int64_t r0 = 0;
-    for (int64_t e = 0; e < L->cfg.experts; e++) {
+    for (int64_t e = 0; e < L->El; e++) {
         int64_t m = L->host_splits[e];
         if (m) {
             fm_tensor d = plain(L, &(lbuf){(uint16_t *)dy->d.p + r0 * N, 0}, FM_DTYPE_BF16, m, N);
@@ -676,13 +799,10 @@ static fm_status wgrad_bf16(fm_moe_layer *L, const qbuf *dy, int64_t N, const qb
     return FM_OK;
 }
 
-fm_status fm_moe_layer_backward(fm_moe_layer *L, const fm_moe_weights *w, const fm_tensor *x, const fm_tensor *dy,
-                                fm_tensor *dx)
+static fm_status backward(fm_moe_layer *L, const fm_moe_weights *w, const fm_tensor *x, const fm_tensor *dy,
+                          fm_tensor *dx)
 {
-    if (!L)
-        return FM_ERR_INVALID_ARG;
     fm_context *ctx = L->ctx;
-    fm_error_clear(ctx);
     fm_status st;
     if (!L->have_forward)
         return fm_error(ctx, FM_ERR_INVALID_ARG, "layer: backward needs a forward first");
@@ -691,13 +811,14 @@ fm_status fm_moe_layer_backward(fm_moe_layer *L, const fm_moe_weights *w, const 
         return st;
     const fm_moe_layer_config *c = &L->cfg;
     fm_recipe rc = c->recipe;
-    int64_t T = L->T, R = L->R, E = c->experts, H = c->hidden, I = c->ffn, k = c->topk, Rm = max_rows(c);
+    int64_t T = L->T, R = L->R, Rr = L->Rr, Eg = c->experts, E = L->El, H = c->hidden, I = c->ffn, k = c->topk;
+    int64_t Rm = max_rows(L);
     int64_t c0 = casts_now(ctx);
     fm_quant_config qc = {.rule = FM_SCALE_RULE_POW2};
     fm_gemm_config g0 = {0}, acc = {.accumulate = 1};
     fm_requant_config rq = {0};
     fm_splits sp = {E, L->host_splits, (const int64_t *)L->splits.p};
-    fm_tensor slot_rows = plain(L, &L->slot_rows, FM_DTYPE_I32, T, k);
+    fm_tensor slot_rows = plain(L, &L->slot_rows, FM_DTYPE_I32, Rr, k);
     fm_tensor row_map = plain(L, &L->row_map, FM_DTYPE_I32, Rm, 1);
     fm_tensor splits = plain(L, &L->splits, FM_DTYPE_I64, 1, E);
     fm_tensor ids = plain(L, &L->ids, FM_DTYPE_I32, T, k), probs = plain(L, &L->probs, FM_DTYPE_F32, T, k);
@@ -718,7 +839,21 @@ fm_status fm_moe_layer_backward(fm_moe_layer *L, const fm_moe_weights *w, const 
         if ((st = fm_quantize(ctx, &qc, dy, &dyin, NULL)))
             return st;
     }
-    if ((st = fm_moe_permute(ctx, &pc, &dyin, &ids, NULL, &dyp, &row_map, &slot_rows, &splits, NULL, NULL)))
+    /* Over expert parallelism dy travels to the experts' ranks like x did,
+     * and is permuted with the local ids the forward received. */
+    fm_tensor pin = dyin, pids = ids;
+    if (c->comm) {
+        int64_t got = 0;
+        if ((st = ep_dispatch(L, &dyin, &L->dyr, &ids, NULL, 0, &pin, &got)))
+            return st;
+        if (got != Rr)
+            return fm_error(ctx, FM_ERR_INVALID_ARG,
+                            "layer: backward received %lld rows of dy where the forward received %lld: every rank "
+                            "must run backward after the same forward",
+                            (long long)got, (long long)Rr);
+        pids = plain(L, &L->rids, FM_DTYPE_I32, Rr, k);
+    }
+    if ((st = fm_moe_permute(ctx, &pc, &pin, &pids, NULL, &dyp, &row_map, &slot_rows, &splits, NULL, NULL)))
         return st;
     dyp.shape[0] = R;
     fm_tensor dy_row = dyp, dy_col = {0};
@@ -806,24 +941,43 @@ fm_status fm_moe_layer_backward(fm_moe_layer *L, const fm_moe_weights *w, const 
 
     /* Back to tokens: dx = Σ_j dxp[row(t, j)], then the router's share. */
     dxp.shape[0] = Rm;
-    if ((st = fm_moe_unpermute(ctx, &dxp, &slot_rows, NULL, dx)))
+    if ((st = ep_combine(L, &dxp, &slot_rows, &ids, dx)))
         return st;
     /* d(probs)[t, j] = dprobs_rows[row(t, j)]: unpermute_backward with a
-     * one-column dout of ones is exactly that gather (a one-term dot). */
-    fm_tensor ones = plain(L, &L->ones, FM_DTYPE_F32, T, 1), dpr = plain(L, &L->dprobs_rows, FM_DTYPE_F32, Rm, 1);
+     * one-column dout of ones is exactly that gather (a one-term dot). Over
+     * expert parallelism it gathers the received rows' slots, and the
+     * combine brings each choice's value home from the one rank it lives on. */
+    fm_tensor ones = plain(L, &L->ones, FM_DTYPE_F32, Rr, 1), dpr = plain(L, &L->dprobs_rows, FM_DTYPE_F32, Rm, 1);
     fm_tensor scratch = plain(L, &L->scratch1, FM_DTYPE_F32, Rm, 1), dprobs = plain(L, &L->dprobs, FM_DTYPE_F32, T, k);
-    if ((st = fm_moe_unpermute_backward(ctx, &ones, &dpr, &row_map, &slot_rows, &probs, &scratch, &dprobs)))
+    fm_tensor pprobs = probs, dpk = dprobs;
+    if (c->comm) {
+        pprobs = plain(L, &L->rprobk, FM_DTYPE_F32, Rr, k);
+        dpk = plain(L, &L->dprobk, FM_DTYPE_F32, Rr, k);
+    }
+    if ((st = fm_moe_unpermute_backward(ctx, &ones, &dpr, &row_map, &slot_rows, &pprobs, &scratch, &dpk)))
+        return st;
+    fm_ep_config ep = {.experts_per_rank = (int)E};
+    if (c->comm && (st = fm_ep_combine(ctx, c->comm, &ep, &ids, &dpk, &dprobs)))
         return st;
     fm_router_config rcfg = {.topk = c->topk, .score = c->score, .renormalize = c->renormalize};
-    fm_tensor logits = plain(L, &L->logits, FM_DTYPE_F32, T, E), dlogits = plain(L, &L->dlogits, FM_DTYPE_F32, T, E);
+    fm_tensor logits = plain(L, &L->logits, FM_DTYPE_F32, T, Eg), dlogits = plain(L, &L->dlogits, FM_DTYPE_F32, T, Eg);
     if ((st = fm_moe_router_backward(ctx, &rcfg, &logits, &ids, &dprobs, &dlogits)))
         return st;
-    fm_tensor wr = plain(L, &(lbuf){w->router, 0}, FM_DTYPE_F32, E, H);
-    fm_tensor gwr = plain(L, &(lbuf){w->grad_router, 0}, FM_DTYPE_F32, E, H);
+    fm_tensor wr = plain(L, &(lbuf){w->router, 0}, FM_DTYPE_F32, Eg, H);
+    fm_tensor gwr = plain(L, &(lbuf){w->grad_router, 0}, FM_DTYPE_F32, Eg, H);
     /* The router GEMMs have F32 operands, which any layout serves. */
     if ((st = fm_linear_wgrad(ctx, &acc, &dlogits, x, &gwr)) || (st = fm_linear_dgrad(ctx, &acc, &dlogits, &wr, dx)))
         return st;
     L->info.casts_per_step += casts_now(ctx) - c0;
     L->have_forward = 0;
     return FM_OK;
+}
+
+fm_status fm_moe_layer_backward(fm_moe_layer *L, const fm_moe_weights *w, const fm_tensor *x, const fm_tensor *dy,
+                                fm_tensor *dx)
+{
+    if (!L)
+        return FM_ERR_INVALID_ARG;
+    fm_error_clear(L->ctx);
+    return ep_fail(L, backward(L, w, x, dy, dx));
 }

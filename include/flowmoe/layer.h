@@ -26,10 +26,32 @@
  *                   +14.7% final loss in fm-train); over expert parallelism
  *                   the payload is what fm_convert_scaled makes of it.
  * FP8 recipes use E4M3 BLOCK_1x128 power-of-two activations and gradients,
- * E4M3 BLOCK_128x128 weights, and pad each expert to 128 rows. */
+ * E4M3 BLOCK_128x128 weights, and pad each expert to 128 rows.
+ *
+ * Expert parallelism (cfg->comm, see comm.h): the cfg->experts experts are
+ * split over the communicator's ranks in contiguous blocks of
+ * E_local = experts / nranks. Each rank routes its own tokens over all
+ * experts, sends each token once to every rank owning one of its choices
+ * (fm_ep_dispatch: BF16 rows for bf16 and fp8-blockwise, FP8 rows and
+ * scales for fp8-flow, MXFP4 for fp8-flow-fp4 made by fm_convert_scaled and
+ * turned back into FP8 on arrival), runs its local experts on what it
+ * received, and gets each token's output back as BF16 partial sums
+ * (fm_ep_combine). Backward sends dy the same way (in the recipe's gradient
+ * precision) and combines dx and d(probabilities) back. With tokens split
+ * over ranks in order (rank r holding the r-th block), every expert sees the
+ * rows it would see on one rank in the same order, so its weight gradients
+ * equal the single-rank layer's bit for bit; y and dx differ from it only by
+ * the BF16 rounding of each rank's partial sum and the order of the sum.
+ * Weights with a comm: router Wr [E, H] on every rank (its gradient is this
+ * rank's tokens' share: sum it over ranks as any replicated parameter), w1
+ * and w2 hold the rank's E_local experts. Every rank makes the same calls
+ * (forward, backward, refresh) with the same config, max_tokens included;
+ * a step that fails on one rank aborts the communicator (fm_comm_abort), so
+ * that no rank waits for it forever. */
 #ifndef FLOWMOE_LAYER_H
 #define FLOWMOE_LAYER_H
 
+#include "flowmoe/comm.h"
 #include "flowmoe/context.h"
 #include "flowmoe/moe.h"
 #include "flowmoe/tensor.h"
@@ -58,14 +80,15 @@ typedef struct fm_moe_layer_config {
     fm_router_score score;
     int renormalize;       /* renormalise the k probabilities */
     fm_recipe recipe;
-    int64_t max_tokens;    /* the largest T a step may use */
+    int64_t max_tokens;    /* the largest T a step may use (on each rank) */
+    fm_comm *comm;         /* expert parallelism over this rank's communicator; NULL: one rank */
 } fm_moe_layer_config;
 
 /* Caller-owned F32 tensors in the context's memory, row-major. */
 typedef struct fm_moe_weights {
     float *router;         /* Wr [E, H] */
-    float *w1;             /* W1 [E, 2I, H]: rows [0, I) gate, [I, 2I) up */
-    float *w2;             /* W2 [E, H, I] */
+    float *w1;             /* W1 [E_local, 2I, H]: rows [0, I) gate, [I, 2I) up (E_local = E on one rank) */
+    float *w2;             /* W2 [E_local, H, I] */
     /* Gradients, ACCUMULATED into by fm_moe_layer_backward (zero them per step). */
     float *grad_router;
     float *grad_w1;
