@@ -110,6 +110,30 @@ static void arena_free(arena *a)
     a->count = 0;
 }
 
+/* FM_FUZZ_TRACE: the call's descriptors, to turn a finding into a test. */
+static void trace_call(const char *name, fm_tensor *const *tp, int nt, const fm_splits *sp)
+{
+    fprintf(stderr, "call %s\n", name);
+    for (int i = 0; i < nt; i++) {
+        const fm_tensor *t = tp[i];
+        if (!t) {
+            fprintf(stderr, "  t%d NULL\n", i);
+            continue;
+        }
+        fprintf(stderr, "  t%d %s %s %s %s ndim %d [%lld %lld %lld] data %p cap %lld scale %p cap %lld dev %d\n", i,
+                fm_dtype_name(t->dtype), fm_scale_mode_name(t->scale_mode), t->layout ? "colwise" : "rowwise",
+                fm_scale_layout_name(t->scale_layout), t->ndim, (long long)t->shape[0], (long long)t->shape[1],
+                (long long)t->shape[2], t->data, (long long)t->data_capacity, t->scale,
+                (long long)t->scale_capacity, (int)t->device);
+    }
+    if (sp) {
+        fprintf(stderr, "  splits %lld:", (long long)sp->groups);
+        for (int64_t g = 0; sp->host && g < sp->groups && g < 16; g++)
+            fprintf(stderr, " %lld", (long long)sp->host[g]);
+        fprintf(stderr, "\n");
+    }
+}
+
 static int64_t dim_from(uint8_t b)
 {
     static const int64_t special[] = {128, 256, 257, 384, 511, 512, 1000, 4096, 65536, (int64_t)1 << 20,
@@ -490,6 +514,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         if (e > 0 && e <= 4096)
             host_splits = (int64_t *)(void *)arena_alloc(&a, (size_t)e * sizeof(int64_t), &seed, 0);
     }
+    /* "No capacity" (0) means the caller vouches for what the op needs, and
+     * a grouped column-wise output needs more scales than its shape's
+     * ungrouped size (what make_slot allocated): declare the real
+     * allocation so that the op has to refuse a short one. */
+    if (op == OP_TRANSPOSE_GROUPED && tp[1] && sl[1].sbuf && sl[1].t.scale_capacity == 0 &&
+        (uint8_t *)sl[1].t.scale >= sl[1].sbuf && (uint8_t *)sl[1].t.scale <= sl[1].sbuf + 1) {
+        if (sl[1].slen > 0)
+            sl[1].t.scale_capacity = (int64_t)sl[1].slen;
+        else
+            sl[1].t.scale = NULL; /* nothing allocated: no capacity to declare */
+    }
     const fm_quant_config *pq = (flags & 1) ? NULL : &qc;
     const fm_requant_config *prc = (flags & 1) ? NULL : &rc;
     const fm_gemm_config *pg = (flags & 1) ? NULL : &gc;
@@ -504,6 +539,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     /* Optional arguments left out are NULLed in tp too, so that the
      * disjointness oracle judges only what the call was given. */
     fm_tensor **t = tp;
+    if (g_trace)
+        trace_call(ops[op].name, tp, nt, op == OP_TRANSPOSE_GROUPED && !(flags & 4) ? &sp : NULL);
     switch (op) {
     case OP_QUANTIZE: st = fm_quantize(ctx, pq, t[0], t[1], t[2]); break;
     case OP_DEQUANTIZE: st = fm_dequantize(ctx, t[0], t[1]); break;
