@@ -2,7 +2,10 @@
 # fm_train_smoke: fm-train runs a few steps of every recipe on a tiny model and
 # exits 0; loss.csv has its header and one finite, positive row per step, and
 # every recipe's loss went down; loss.svg holds a curve per recipe; --control
-# adds a perturbed bf16 column; a bad flag gives exit status 2.
+# adds a perturbed bf16 column; --ep 2 trains over two in-process ranks to
+# what one rank gives (first-step loss within 1e-3 relative: the forward
+# differs only by the BF16 rounding of each rank's partial sums); a bad flag
+# gives exit status 2.
 #
 #   fm-train-smoke.sh FM_TRAIN OUT_DIR
 set -u
@@ -52,6 +55,21 @@ awk -F, 'NR == 2 && $2 == $4 { print "bf16-control starts where bf16 does (" $2 
 "$exe" --recipes fp8-flow --control --out "$out/never" >/dev/null 2>&1
 rc=$?
 [ $rc -eq 2 ] || fail "--control without bf16 gave exit status $rc, want 2"
+
+# --ep 2: the same run over two ranks (tokens 33: unequal shares)
+"$exe" --steps 3 --layers 1 --hidden 64 --ffn 32 --experts 4 --topk 2 --tokens 33 --threads 1 \
+    --out "$out/ep1" >/dev/null || fail "fm-train (one rank) exited with status $?"
+"$exe" --steps 3 --layers 1 --hidden 64 --ffn 32 --experts 4 --topk 2 --tokens 33 --threads 2 --ep 2 \
+    --out "$out/ep2" >"$out/ep2.txt" || fail "fm-train --ep 2 exited with status $?"
+grep -q "expert parallelism over 2 in-process ranks" "$out/ep2.txt" || fail "--ep 2: the header does not say so"
+paste -d, "$out/ep1/loss.csv" "$out/ep2/loss.csv" | awk -F, '
+    NR == 1 { next }
+    NR == 2 { for (i = 2; i <= 5; i++) { d = $i - $(i + 5); if (d < 0) d = -d
+              if (!(d <= 1e-3 * $i)) { print "column " i ": step 1 loss " $i " on one rank, " $(i + 5) " on two"; bad = 1 } } }
+    END { exit bad }' || fail "--ep 2 does not train what one rank does (above)"
+"$exe" --experts 4 --ep 3 --out "$out/never" >/dev/null 2>&1
+rc=$?
+[ $rc -eq 2 ] || fail "--ep 3 over 4 experts gave exit status $rc, want 2"
 
 "$exe" --experts 4 --topk 5 --out "$out/never" >/dev/null 2>&1
 rc=$?

@@ -15,14 +15,24 @@
  * gradients live in the context's memory (device memory on CUDA), copied in
  * before each refresh and back after each backward. Activations cross the
  * same way around each layer call: slow on a GPU, but the layer is what is
- * measured, and it keeps the trainer backend-agnostic. */
+ * measured, and it keeps the trainer backend-agnostic.
+ *
+ * --ep N runs expert parallelism over N in-process ranks (one thread and one
+ * CPU context each, fm_comm_create_inproc): rank r takes the r-th block of
+ * each batch's tokens and owns the r-th block of each layer's experts; the
+ * layer dispatches and combines between them. Every rank keeps a full replica
+ * of the host masters: after backward the ranks sum the replicated gradients
+ * (norm gains, router) in rank order and gather the expert ones from their
+ * owners, so every replica takes the same AdamW step. */
 #include <errno.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "cli.h"
 #include "flowmoe/flowmoe.h"
@@ -43,7 +53,7 @@ typedef struct {
     int nrecipes;
     int control;   /* one more bf16 student from slightly perturbed initial weights */
     int nstudents; /* nrecipes + control */
-    int64_t steps, layers, hidden, ffn, experts, topk, tokens, threads, print_every, rank;
+    int64_t steps, layers, hidden, ffn, experts, topk, tokens, threads, print_every, rank, ep;
     uint64_t seed;
     double lr, wd;
     const char *out;
@@ -61,6 +71,7 @@ static const options defaults = {
     .topk = 2,
     .tokens = 256,
     .rank = 4,
+    .ep = 1,
     .seed = 1,
     .lr = 1e-2,
     .wd = 0.01,
@@ -72,7 +83,8 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: %s [--backend cpu|cuda] [--recipes LIST] [--steps N] [--seed S] [--layers L]\n"
             "          [--hidden H] [--ffn I] [--experts E] [--topk K] [--tokens T] [--lr LR] [--wd WD]\n"
-            "          [--teacher-rank R] [--threads N] [--print-every N] [--control] [--out DIR] [--help]\n"
+            "          [--teacher-rank R] [--threads N] [--ep N] [--print-every N] [--control] [--out DIR]\n"
+            "          [--help]\n"
             "\n"
             "Trains a small MoE model (L blocks x = x + MoE(RMSNorm(x)), AdamW, MSE) to imitate a fixed\n"
             "random teacher of the same shape, once per flowmoe recipe, from the same initial weights\n"
@@ -92,7 +104,9 @@ static void usage(FILE *f)
             "  --wd WD           AdamW decoupled weight decay of the MoE weights (default %g)\n"
             "  --teacher-rank R  the teacher's router and W1 read x through a random rank-R projection,\n"
             "                    so that a short run learns a good part of it; 0 = full rank (default %lld)\n"
-            "  --threads N       CPU backend threads, 0 = all cores (default 0)\n"
+            "  --threads N       CPU backend threads, 0 = all cores (default 0); with --ep, shared by the ranks\n"
+            "  --ep N            expert parallelism over N in-process ranks (CPU backend; N divides E;\n"
+            "                    default 1): each rank trains on 1/N of the tokens with 1/N of the experts\n"
             "  --print-every N   a progress line every N steps (default: about 50 lines per run)\n"
             "  --control         also train bf16-control: bf16 from initial weights changed by a relative\n"
             "                    2^-12, whose gap to bf16 is how far two runs drift apart on this task alone\n"
@@ -162,7 +176,8 @@ static int parse_args(int argc, char **argv, options *o)
         }
         static const char *const with_value[] = {"--backend", "--recipes", "--steps", "--seed", "--layers",
                                                  "--hidden", "--ffn", "--experts", "--topk", "--tokens",
-                                                 "--lr", "--wd", "--threads", "--print-every", "--teacher-rank", "--out"};
+                                                 "--lr", "--wd", "--threads", "--print-every", "--teacher-rank", "--out",
+                                                 "--ep"};
         const char *name = NULL, *val = NULL;
         int got = cli_option(argc, argv, &i, with_value, sizeof with_value / sizeof with_value[0], &name, &val);
         if (got < 0)
@@ -211,9 +226,10 @@ static int parse_args(int argc, char **argv, options *o)
                 {"--threads", 0, 1024, "--threads must be an integer in 0..1024, got '%s'"},
                 {"--print-every", 1, 10000000, "--print-every must be an integer in 1..10000000, got '%s'"},
                 {"--teacher-rank", 0, MAX_DIM, "--teacher-rank must be an integer in 0..65536, got '%s'"},
+                {"--ep", 1, 64, "--ep must be an integer in 1..64, got '%s'"},
             };
             int64_t *dst[] = {&o->steps, &o->layers, &o->hidden, &o->ffn, &o->experts,
-                              &o->topk, &o->tokens, &o->threads, &o->print_every, &o->rank};
+                              &o->topk, &o->tokens, &o->threads, &o->print_every, &o->rank, &o->ep};
             for (size_t k = 0; k < sizeof ints / sizeof ints[0]; k++)
                 if (!strcmp(name, ints[k].name)) {
                     if (cli_parse_i64(val, ints[k].lo, ints[k].hi, dst[k]))
@@ -225,6 +241,11 @@ static int parse_args(int argc, char **argv, options *o)
     }
     if (o->topk > o->experts)
         return usage_error("%s", "--topk must not exceed --experts");
+    if (o->experts % o->ep)
+        return usage_error("%s", "--ep must divide --experts (each rank owns an equal block of experts)");
+    if (o->ep > 1 && o->backend != FM_BACKEND_CPU)
+        return usage_error("%s", "--ep runs in-process ranks on the CPU backend; N GPUs need one process per GPU "
+                                 "with an NCCL communicator, which fm-train does not start yet");
     if (o->control) {
         int has_bf16 = 0;
         for (int r = 0; r < o->nrecipes; r++)
@@ -290,6 +311,7 @@ enum { P_GAIN, P_ROUTER, P_W1, P_W2, NPARAM };
 typedef struct {
     fm_moe_layer *layer;
     float *p[NPARAM], *g[NPARAM], *m[NPARAM], *v[NPARAM]; /* host: masters, grads, AdamW moments */
+    float *gs[NPARAM];                                    /* --ep: the gradient summed over ranks (else g) */
     fm_moe_weights dev;                                   /* context memory: weights, grads */
     float *dev_x;                                         /* context memory: the layer's input [T, H],
                                                              kept for its backward */
@@ -315,16 +337,89 @@ typedef struct {
     double eval_bf16;       /* the same weights through bf16 layers: training apart from the forward's format */
 } student;
 
+struct ep_group;
+
 typedef struct {
     const options *o;
     fm_context *ctx;
     fm_device dev;
-    int64_t T, H, I, E;
-    int64_t count[NPARAM]; /* parameters per block */
+    int64_t T, H, I, E;    /* T: this rank's tokens */
+    int64_t Tall, t0;      /* the batch's tokens; this rank's first */
+    int64_t Tmax;          /* the most tokens any rank has (every rank's layer max_tokens) */
+    int rank, nranks;
+    fm_comm *comm;         /* NULL without --ep */
+    struct ep_group *grp;
+    student *st;           /* this rank's students (other ranks read their gradients) */
+    int64_t count[NPARAM]; /* parameters per block (host masters) */
+    int64_t lcount[NPARAM], loff[NPARAM]; /* this rank's part in the layer: W1, W2 its experts' slice */
     float *dev_a, *dev_b;  /* context memory: a layer call's output and dy, [T, H] */
     float *out, *dcur, *dn, *dxn; /* host scratch, [T, H] */
     tr_adamw opt;
 } trainer;
+
+/* ---- the ranks of --ep --------------------------------------------------- */
+
+/* What the rank threads share: a barrier that a failing rank breaks (so no
+ * rank waits for it), and one slot per rank for the sums. */
+typedef struct ep_group {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int n, waiting, broken;
+    unsigned long gen;
+    double slot[64];
+    trainer *tr[64];
+} ep_group;
+
+static int ep_barrier(trainer *tr)
+{
+    ep_group *g = tr->grp;
+    if (!g)
+        return 0;
+    pthread_mutex_lock(&g->mu);
+    unsigned long gen = g->gen;
+    if (++g->waiting == g->n) {
+        g->waiting = 0;
+        g->gen++;
+        pthread_cond_broadcast(&g->cv);
+    } else {
+        while (gen == g->gen && !g->broken)
+            pthread_cond_wait(&g->cv, &g->mu);
+    }
+    int broken = g->broken;
+    pthread_mutex_unlock(&g->mu);
+    return broken;
+}
+
+/* A rank that fails releases the others: from the barrier, and from the
+ * layer's collectives (fm_comm_abort). */
+static void ep_break(trainer *tr)
+{
+    ep_group *g = tr->grp;
+    if (!g)
+        return;
+    pthread_mutex_lock(&g->mu);
+    g->broken = 1;
+    pthread_cond_broadcast(&g->cv);
+    pthread_mutex_unlock(&g->mu);
+    fm_comm_abort(tr->comm);
+}
+
+/* *sum = Σ over ranks in rank order of v: the same bits on every rank. */
+static int ep_sum(trainer *tr, double v, double *sum)
+{
+    if (!tr->grp) {
+        *sum = v;
+        return 0;
+    }
+    tr->grp->slot[tr->rank] = v;
+    if (ep_barrier(tr))
+        return 1;
+    double s = 0;
+    for (int q = 0; q < tr->nranks; q++)
+        s += tr->grp->slot[q];
+    *sum = s;
+    return ep_barrier(tr);
+}
 
 static int fail(fm_context *ctx, const char *what)
 {
@@ -345,9 +440,9 @@ static int block_create(trainer *tr, fm_recipe recipe, block *b, const block *in
 {
     const options *o = tr->o;
     *b = (block){0};
-    size_t host_floats = 0;
+    size_t host_floats = 0, arrays = tr->grp ? 5 : 4;
     for (int p = 0; p < NPARAM; p++)
-        host_floats += 4 * (size_t)tr->count[p];
+        host_floats += arrays * (size_t)tr->count[p];
     host_floats += 2 * (size_t)(tr->T * tr->H) + (size_t)tr->T;
     float *h = calloc(host_floats, sizeof(float));
     if (!h) {
@@ -360,6 +455,9 @@ static int block_create(trainer *tr, fm_recipe recipe, block *b, const block *in
         b->g[p] = h, h += tr->count[p];
         b->m[p] = h, h += tr->count[p];
         b->v[p] = h, h += tr->count[p];
+        b->gs[p] = b->g[p];
+        if (tr->grp)
+            b->gs[p] = h, h += tr->count[p];
         if (init)
             memcpy(b->p[p], init->p[p], (size_t)tr->count[p] * sizeof(float));
     }
@@ -372,7 +470,7 @@ static int block_create(trainer *tr, fm_recipe recipe, block *b, const block *in
     size_t off[7], total = 0;
     for (int k = 0; k < 7; k++) {
         off[k] = total;
-        total += round_up((size_t)(k < 6 ? tr->count[P_ROUTER + k % 3] : tr->T * tr->H) * sizeof(float), 256);
+        total += round_up((size_t)(k < 6 ? tr->lcount[P_ROUTER + k % 3] : tr->T * tr->H) * sizeof(float), 256);
     }
     void *d;
     if (fm_context_alloc(tr->ctx, total, &d) != FM_OK)
@@ -385,7 +483,7 @@ static int block_create(trainer *tr, fm_recipe recipe, block *b, const block *in
     b->dev_x = (float *)(base + off[6]);
     fm_moe_layer_config cfg = {.hidden = tr->H, .ffn = tr->I, .experts = tr->E, .topk = (int)o->topk,
                                .score = FM_ROUTER_SOFTMAX, .renormalize = 1, .recipe = recipe,
-                               .max_tokens = tr->T};
+                               .max_tokens = tr->Tmax, .comm = tr->comm};
     if (fm_moe_layer_create(tr->ctx, &cfg, &b->layer) != FM_OK)
         return fail(tr->ctx, "fm_moe_layer_create");
     return 0;
@@ -418,15 +516,45 @@ static fm_tensor act_tensor(trainer *tr, float *p)
     return t;
 }
 
-/* One optimizer step of student s on batch x -> target y. */
+/* After every rank's backward (--ep): into gs, the replicated gradients
+ * (norm gains, router: each rank's tokens' share) summed in rank order, and
+ * the expert gradients gathered from the ranks that own them. */
+static int ep_reduce_grads(trainer *tr, const student *s)
+{
+    if (!tr->grp)
+        return 0;
+    int si = (int)(s - tr->st);
+    if (ep_barrier(tr))
+        return 1;
+    for (int64_t l = 0; l < tr->o->layers; l++) {
+        const block *bl = &s->blocks[l];
+        for (int p = 0; p < NPARAM; p++) {
+            for (int q = 0; q < tr->nranks; q++) {
+                const trainer *o = tr->grp->tr[q];
+                const float *g = o->st[si].blocks[l].g[p];
+                if (p == P_W1 || p == P_W2)
+                    memcpy(bl->gs[p] + o->loff[p], g + o->loff[p], (size_t)o->lcount[p] * sizeof(float));
+                else if (q == 0)
+                    memcpy(bl->gs[p], g, (size_t)tr->count[p] * sizeof(float));
+                else
+                    for (int64_t i = 0; i < tr->count[p]; i++)
+                        bl->gs[p][i] += g[i];
+            }
+        }
+    }
+    return ep_barrier(tr);
+}
+
 /* The host masters to the device and the layers' low-precision copies. */
 static int refresh(trainer *tr, student *s)
 {
     for (int64_t l = 0; l < tr->o->layers; l++) {
         block *bl = &s->blocks[l];
         CALL("weights to the device", to_dev(tr, bl->dev.router, bl->p[P_ROUTER], (size_t)tr->count[P_ROUTER] * 4));
-        CALL("weights to the device", to_dev(tr, bl->dev.w1, bl->p[P_W1], (size_t)tr->count[P_W1] * 4));
-        CALL("weights to the device", to_dev(tr, bl->dev.w2, bl->p[P_W2], (size_t)tr->count[P_W2] * 4));
+        CALL("weights to the device",
+             to_dev(tr, bl->dev.w1, bl->p[P_W1] + tr->loff[P_W1], (size_t)tr->lcount[P_W1] * 4));
+        CALL("weights to the device",
+             to_dev(tr, bl->dev.w2, bl->p[P_W2] + tr->loff[P_W2], (size_t)tr->lcount[P_W2] * 4));
         CALL("fm_moe_layer_refresh_weights", fm_moe_layer_refresh_weights(bl->layer, &bl->dev));
     }
     return 0;
@@ -456,6 +584,7 @@ static int forward(trainer *tr, student *s, const float *x, int64_t *casts)
     return 0;
 }
 
+/* One optimizer step of student s on this rank's tokens x -> target y. */
 static int train_step(trainer *tr, student *s, int64_t step, const float *x, const float *y)
 {
     const int64_t L = tr->o->layers, TH = tr->T * tr->H;
@@ -465,20 +594,23 @@ static int train_step(trainer *tr, student *s, int64_t step, const float *x, con
     fm_tensor a = act_tensor(tr, tr->dev_a), b = act_tensor(tr, tr->dev_b);
     if (refresh(tr, s) || forward(tr, s, x, &casts))
         return 1;
-    /* loss = mean((out - y)²) and its gradient */
+    /* loss = mean((out - y)²) over the whole batch, and its gradient */
+    const double all = (double)(tr->Tall * tr->H);
     double loss = 0;
     for (int64_t i = 0; i < TH; i++) {
         double d = (double)tr->out[i] - y[i];
         loss += d * d;
-        tr->dcur[i] = (float)(2.0 * d / (double)TH);
+        tr->dcur[i] = (float)(2.0 * d / all);
     }
-    s->loss[step - 1] = loss / (double)TH;
+    if (ep_sum(tr, loss, &loss))
+        return 1;
+    s->loss[step - 1] = loss / all;
     /* backward */
     for (int64_t l = L - 1; l >= 0; l--) {
         block *bl = &s->blocks[l];
         CALL("fm_context_memset", fm_context_memset(tr->ctx, bl->dev.grad_router, 0, (size_t)tr->count[P_ROUTER] * 4));
-        CALL("fm_context_memset", fm_context_memset(tr->ctx, bl->dev.grad_w1, 0, (size_t)tr->count[P_W1] * 4));
-        CALL("fm_context_memset", fm_context_memset(tr->ctx, bl->dev.grad_w2, 0, (size_t)tr->count[P_W2] * 4));
+        CALL("fm_context_memset", fm_context_memset(tr->ctx, bl->dev.grad_w1, 0, (size_t)tr->lcount[P_W1] * 4));
+        CALL("fm_context_memset", fm_context_memset(tr->ctx, bl->dev.grad_w2, 0, (size_t)tr->lcount[P_W2] * 4));
         CALL("gradients to the device", to_dev(tr, tr->dev_a, tr->dcur, act_bytes));
         fm_tensor in = act_tensor(tr, bl->dev_x);
         int64_t c0 = explicit_casts(tr->ctx);
@@ -486,18 +618,22 @@ static int train_step(trainer *tr, student *s, int64_t step, const float *x, con
         casts += explicit_casts(tr->ctx) - c0;
         CALL("gradients to the host", to_host(tr, tr->dn, tr->dev_b, act_bytes));
         CALL("gradients to the host", to_host(tr, bl->g[P_ROUTER], bl->dev.grad_router, (size_t)tr->count[P_ROUTER] * 4));
-        CALL("gradients to the host", to_host(tr, bl->g[P_W1], bl->dev.grad_w1, (size_t)tr->count[P_W1] * 4));
-        CALL("gradients to the host", to_host(tr, bl->g[P_W2], bl->dev.grad_w2, (size_t)tr->count[P_W2] * 4));
+        CALL("gradients to the host",
+             to_host(tr, bl->g[P_W1] + tr->loff[P_W1], bl->dev.grad_w1, (size_t)tr->lcount[P_W1] * 4));
+        CALL("gradients to the host",
+             to_host(tr, bl->g[P_W2] + tr->loff[P_W2], bl->dev.grad_w2, (size_t)tr->lcount[P_W2] * 4));
         memset(bl->g[P_GAIN], 0, (size_t)tr->count[P_GAIN] * sizeof(float));
         tr_rmsnorm_backward(bl->x, bl->p[P_GAIN], bl->rstd, tr->dn, tr->T, tr->H, tr->dxn, bl->g[P_GAIN]);
         for (int64_t i = 0; i < TH; i++) /* the residual path carries dcur on */
             tr->dcur[i] += tr->dxn[i];
     }
+    if (ep_reduce_grads(tr, s))
+        return 1;
     /* AdamW; the norm gains are not decayed, as is usual */
     for (int64_t l = 0; l < L; l++) {
         block *bl = &s->blocks[l];
         for (int p = 0; p < NPARAM; p++)
-            tr_adamw_step(&tr->opt, step, bl->p[p], bl->g[p], bl->m[p], bl->v[p], tr->count[p], p != P_GAIN);
+            tr_adamw_step(&tr->opt, step, bl->p[p], bl->gs[p], bl->m[p], bl->v[p], tr->count[p], p != P_GAIN);
     }
     s->measured_casts = casts;
     s->seconds += now_s() - t0;
@@ -527,20 +663,22 @@ static void keep_info(const trainer *tr, student *s)
  * the gaps between recipes, this does not. */
 static int evaluate(trainer *tr, student *s, const float *xs, const float *ys, double *loss)
 {
-    const int64_t TH = tr->T * tr->H;
+    const int64_t TH = tr->T * tr->H, batch = tr->Tall * tr->H, mine = tr->t0 * tr->H;
     int64_t casts = 0;
     double sum = 0;
     if (refresh(tr, s))
         return 1;
     for (int b = 0; b < EVAL_BATCHES; b++) {
-        if (forward(tr, s, xs + b * TH, &casts))
+        if (forward(tr, s, xs + b * batch + mine, &casts))
             return 1;
         double l = 0;
         for (int64_t i = 0; i < TH; i++) {
-            double d = (double)tr->out[i] - ys[b * TH + i];
+            double d = (double)tr->out[i] - ys[b * batch + mine + i];
             l += d * d;
         }
-        sum += l / (double)TH;
+        if (ep_sum(tr, l, &l))
+            return 1;
+        sum += l / (double)batch;
     }
     *loss = sum / EVAL_BATCHES;
     return 0;
@@ -677,18 +815,22 @@ static void check_casts(const trainer *tr, const student *s)
 static int run(trainer *tr, student *st)
 {
     const options *o = tr->o;
-    const int64_t T = tr->T, H = tr->H, I = tr->I, E = tr->E, L = o->layers;
+    const int64_t T = tr->T, Tall = tr->Tall, H = tr->H, I = tr->I, E = tr->E, L = o->layers;
+    const int lead = tr->rank == 0; /* prints and writes the outputs */
+    tr->st = st;
     tr_moe_shape shape = {.hidden = H, .ffn = I, .experts = E, .topk = (int)o->topk, .renormalize = 1};
 
     /* Sizes the layer cannot take are usage errors, found before any work. */
     for (int r = 0; r < o->nrecipes; r++) {
         fm_moe_layer_config cfg = {.hidden = H, .ffn = I, .experts = E, .topk = (int)o->topk,
                                    .score = FM_ROUTER_SOFTMAX, .renormalize = 1, .recipe = o->recipes[r],
-                                   .max_tokens = T};
+                                   .max_tokens = tr->Tmax, .comm = tr->comm};
         int64_t bytes;
         if (fm_moe_layer_workspace_size(tr->ctx, &cfg, &bytes) != FM_OK) {
-            fprintf(stderr, "%s: %s: %s\n\n", prog, fm_recipe_name(o->recipes[r]), fm_last_error(tr->ctx));
-            usage(stderr);
+            if (lead) {
+                fprintf(stderr, "%s: %s: %s\n\n", prog, fm_recipe_name(o->recipes[r]), fm_last_error(tr->ctx));
+                usage(stderr);
+            }
             return 2;
         }
     }
@@ -699,11 +841,13 @@ static int run(trainer *tr, student *st)
         return 1;
     }
     int rc = 0;
-    float *x = malloc((size_t)(T * H) * sizeof *x), *y = malloc((size_t)(T * H) * sizeof *y);
-    tr->out = malloc((size_t)(T * H) * sizeof(float));
-    tr->dcur = malloc((size_t)(T * H) * sizeof(float));
-    tr->dn = malloc((size_t)(T * H) * sizeof(float));
-    tr->dxn = malloc((size_t)(T * H) * sizeof(float));
+    /* Every rank draws the whole batch (the same bits) and trains on its part. */
+    const size_t mine = (size_t)((T > 0 ? T : 1) * H) * sizeof(float);
+    float *x = malloc((size_t)(Tall * H) * sizeof *x), *y = malloc((size_t)(Tall * H) * sizeof *y);
+    tr->out = malloc(mine);
+    tr->dcur = malloc(mine);
+    tr->dn = malloc(mine);
+    tr->dxn = malloc(mine);
     block *init = calloc((size_t)L, sizeof *init);
     if (!x || !y || !tr->out || !tr->dcur || !tr->dn || !tr->dxn || !init) {
         fprintf(stderr, "%s: out of host memory\n", prog);
@@ -753,9 +897,9 @@ static int run(trainer *tr, student *st)
     }
     if (!rc) {
         void *a, *b;
-        if (fm_context_alloc(tr->ctx, (size_t)(T * H) * sizeof(float), &a) != FM_OK)
+        if (fm_context_alloc(tr->ctx, mine, &a) != FM_OK)
             rc = fail(tr->ctx, "fm_context_alloc");
-        else if (tr->dev_a = a, fm_context_alloc(tr->ctx, (size_t)(T * H) * sizeof(float), &b) != FM_OK)
+        else if (tr->dev_a = a, fm_context_alloc(tr->ctx, mine, &b) != FM_OK)
             rc = fail(tr->ctx, "fm_context_alloc");
         else
             tr->dev_b = b;
@@ -763,35 +907,40 @@ static int run(trainer *tr, student *st)
     if (rc)
         goto done;
 
-    printf("%s: %lld layers x (H=%lld, I=%lld, E=%lld, top-%lld), %lld tokens/step, %lld steps, lr %g, seed %llu, "
-           "%s backend\n",
-           prog, (long long)L, (long long)H, (long long)I, (long long)E, (long long)o->topk, (long long)T,
-           (long long)o->steps, o->lr, (unsigned long long)o->seed, fm_context_backend_name(tr->ctx));
-    printf("%8s", "step");
-    for (int r = 0; r < o->nstudents; r++)
-        printf("  %13s", st[r].name);
-    printf("  %10s\n", "tokens/s");
+    if (lead) {
+        printf("%s: %lld layers x (H=%lld, I=%lld, E=%lld, top-%lld), %lld tokens/step, %lld steps, lr %g, seed "
+               "%llu, %s backend",
+               prog, (long long)L, (long long)H, (long long)I, (long long)E, (long long)o->topk, (long long)Tall,
+               (long long)o->steps, o->lr, (unsigned long long)o->seed, fm_context_backend_name(tr->ctx));
+        if (tr->comm)
+            printf(", expert parallelism over %d in-process ranks (%lld experts each)", tr->nranks,
+                   (long long)(E / tr->nranks));
+        printf("\n%8s", "step");
+        for (int r = 0; r < o->nstudents; r++)
+            printf("  %13s", st[r].name);
+        printf("  %10s\n", "tokens/s");
+    }
 
     tr_rng data;
     tr_rng_seed(&data, o->seed ^ 0x6261746368657321u);
     double wall0 = now_s(), tick = wall0;
     int64_t since = 0;
     for (int64_t step = 1; step <= o->steps && !rc; step++) {
-        tr_fill_normal(&data, x, T * H, 1.0);
-        if (tr_teacher_forward(&teacher, x, T, y)) {
+        tr_fill_normal(&data, x, Tall * H, 1.0);
+        if (tr_teacher_forward(&teacher, x, Tall, y)) {
             fprintf(stderr, "%s: out of host memory\n", prog);
             rc = 1;
             break;
         }
         for (int r = 0; r < o->nstudents && !rc; r++)
-            rc = train_step(tr, &st[r], step, x, y);
+            rc = train_step(tr, &st[r], step, x + tr->t0 * H, y + tr->t0 * H);
         since++;
-        if (!rc && (step % o->print_every == 0 || step == o->steps || step == 1)) {
+        if (!rc && lead && (step % o->print_every == 0 || step == o->steps || step == 1)) {
             double t = now_s();
             printf("%8lld", (long long)step);
             for (int r = 0; r < o->nstudents; r++)
                 printf("  %13.4e", st[r].loss[step - 1]);
-            printf("  %10.0f\n", (double)(T * since * o->nstudents) / (t - tick));
+            printf("  %10.0f\n", (double)(Tall * since * o->nstudents) / (t - tick));
             fflush(stdout);
             tick = t, since = 0;
         }
@@ -802,15 +951,16 @@ static int run(trainer *tr, student *st)
     for (int r = 0; r < o->nstudents; r++)
         keep_info(tr, &st[r]);
     {
-        float *xs = malloc((size_t)(EVAL_BATCHES * T * H) * sizeof *xs), *ys = malloc((size_t)(EVAL_BATCHES * T * H) * sizeof *ys);
+        float *xs = malloc((size_t)(EVAL_BATCHES * Tall * H) * sizeof *xs);
+        float *ys = malloc((size_t)(EVAL_BATCHES * Tall * H) * sizeof *ys);
         tr_rng held;
         tr_rng_seed(&held, o->seed ^ 0x686f6c646f757421u);
         rc = !xs || !ys;
         if (rc)
             fprintf(stderr, "%s: out of host memory\n", prog);
         for (int b = 0; b < EVAL_BATCHES && !rc; b++) {
-            tr_fill_normal(&held, xs + b * T * H, T * H, 1.0);
-            if (tr_teacher_forward(&teacher, xs + b * T * H, T, ys + b * T * H)) {
+            tr_fill_normal(&held, xs + b * Tall * H, Tall * H, 1.0);
+            if (tr_teacher_forward(&teacher, xs + b * Tall * H, Tall, ys + b * Tall * H)) {
                 fprintf(stderr, "%s: out of host memory\n", prog);
                 rc = 1;
             }
@@ -821,7 +971,7 @@ static int run(trainer *tr, student *st)
             rc = evaluate_in_bf16(tr, &st[r], xs, ys);
         free(xs), free(ys);
     }
-    if (rc)
+    if (rc || !lead)
         goto done;
     print_table(tr, st);
     for (int r = 0; r < o->nstudents; r++)
@@ -849,27 +999,97 @@ done:
     return rc;
 }
 
+typedef struct {
+    trainer tr;
+    student st[FM_RECIPE_COUNT + 1];
+    int rc;
+} rank_job;
+
+static void *rank_main(void *arg)
+{
+    rank_job *j = arg;
+    j->rc = run(&j->tr, j->st);
+    if (j->rc)
+        ep_break(&j->tr);
+    return NULL;
+}
+
 int main(int argc, char **argv)
 {
     options o;
     int rc = parse_args(argc, argv, &o);
     if (rc >= 0)
         return rc;
-    fm_context *ctx;
-    fm_context_config cc = {.backend = o.backend, .cpu_threads = (int)o.threads};
-    if (fm_context_create(&cc, &ctx) != FM_OK) {
-        fprintf(stderr, "%s: %s\n", prog, fm_last_error(NULL));
+    const int n = (int)o.ep;
+    /* --threads is the whole run's; each rank gets its share (at least one). */
+    long cores = o.threads > 0 ? (long)o.threads : sysconf(_SC_NPROCESSORS_ONLN);
+    int per_rank = n == 1 ? (int)o.threads : (int)(cores / n > 0 ? cores / n : 1);
+    rank_job *jobs = calloc((size_t)n, sizeof *jobs);
+    fm_comm *comms[64] = {0};
+    ep_group grp = {.n = n};
+    if (!jobs) {
+        fprintf(stderr, "%s: out of host memory\n", prog);
         return 1;
     }
-    trainer tr = {.o = &o, .ctx = ctx, .dev = fm_context_device(ctx), .T = o.tokens, .H = o.hidden,
-                  .I = o.ffn, .E = o.experts,
-                  .opt = {.lr = o.lr, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = o.wd}};
-    tr.count[P_GAIN] = o.hidden;
-    tr.count[P_ROUTER] = o.experts * o.hidden;
-    tr.count[P_W1] = o.experts * 2 * o.ffn * o.hidden;
-    tr.count[P_W2] = o.experts * o.hidden * o.ffn;
-    student st[FM_RECIPE_COUNT + 1] = {0};
-    rc = run(&tr, st);
-    fm_context_destroy(ctx);
+    if (n > 1) {
+        pthread_mutex_init(&grp.mu, NULL);
+        pthread_cond_init(&grp.cv, NULL);
+        if (fm_comm_create_inproc(n, comms) != FM_OK) {
+            fprintf(stderr, "%s: %s\n", prog, fm_last_error(NULL));
+            free(jobs);
+            return 1;
+        }
+    }
+    int made = 0;
+    rc = 0;
+    for (int r = 0; r < n && !rc; r++, made++) {
+        fm_context *ctx;
+        fm_context_config cc = {.backend = o.backend, .cpu_threads = per_rank};
+        if (fm_context_create(&cc, &ctx) != FM_OK) {
+            fprintf(stderr, "%s: %s\n", prog, fm_last_error(NULL));
+            rc = 1;
+            break;
+        }
+        /* rank r: tokens [t0, t0 + T), the first T % n ranks one more */
+        int64_t base = o.tokens / n, extra = o.tokens % n;
+        trainer *tr = &jobs[r].tr;
+        *tr = (trainer){.o = &o, .ctx = ctx, .dev = fm_context_device(ctx), .T = base + (r < extra),
+                        .Tall = o.tokens, .t0 = r * base + (r < extra ? r : extra), .Tmax = base + (extra > 0),
+                        .H = o.hidden, .I = o.ffn, .E = o.experts, .rank = r, .nranks = n, .comm = comms[r],
+                        .grp = n > 1 ? &grp : NULL,
+                        .opt = {.lr = o.lr, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = o.wd}};
+        tr->count[P_GAIN] = tr->lcount[P_GAIN] = o.hidden;
+        tr->count[P_ROUTER] = tr->lcount[P_ROUTER] = o.experts * o.hidden;
+        tr->count[P_W1] = o.experts * 2 * o.ffn * o.hidden;
+        tr->count[P_W2] = o.experts * o.hidden * o.ffn;
+        tr->lcount[P_W1] = tr->count[P_W1] / n, tr->loff[P_W1] = r * tr->lcount[P_W1];
+        tr->lcount[P_W2] = tr->count[P_W2] / n, tr->loff[P_W2] = r * tr->lcount[P_W2];
+        grp.tr[r] = tr;
+    }
+    if (!rc) {
+        if (n == 1) {
+            rank_main(&jobs[0]);
+        } else {
+            pthread_t th[64];
+            for (int r = 0; r < n; r++)
+                if (pthread_create(&th[r], NULL, rank_main, &jobs[r])) {
+                    fprintf(stderr, "%s: cannot start rank %d's thread\n", prog, r);
+                    exit(1); /* the started ranks wait for it in their collectives */
+                }
+            for (int r = 0; r < n; r++)
+                pthread_join(th[r], NULL);
+        }
+        for (int r = 0; r < n; r++)
+            rc = jobs[r].rc > rc ? jobs[r].rc : rc;
+    }
+    for (int r = 0; r < made; r++)
+        fm_context_destroy(jobs[r].tr.ctx);
+    for (int r = 0; r < n; r++)
+        fm_comm_destroy(comms[r]);
+    if (n > 1) {
+        pthread_mutex_destroy(&grp.mu);
+        pthread_cond_destroy(&grp.cv);
+    }
+    free(jobs);
     return rc;
 }
