@@ -59,19 +59,9 @@ static fm_status run_layer(fm_context *ctx, const model *m, fm_comm *comm, int n
     fm_tensor tx = fm_tensor_2d((void *)x, FM_DTYPE_F32, T, bad_x ? m->H - 1 : m->H);
     fm_tensor ty = fm_tensor_2d(y, FM_DTYPE_F32, T, m->H);
     fm_tensor tdy = fm_tensor_2d((void *)dy, FM_DTYPE_F32, T, m->H), tdx = fm_tensor_2d(dx, FM_DTYPE_F32, T, m->H);
-    fm_moe_layer *L = NULL;
-    fm_status st = fm_moe_layer_create(ctx, &cfg, &L);
-    if (!st)
-        st = fm_moe_layer_refresh_weights(L, &w);
-    if (!st)
-        st = fm_moe_layer_forward(L, &w, &tx, &ty);
-    if (!st)
-        st = fm_moe_layer_backward(L, &w, &tx, &tdy, &tdx);
     fm_moe_layer_info info = {0};
-    if (!st)
-        fm_moe_layer_get_info(L, &info);
+    fm_status st = tu_layer_step(ctx, &cfg, &w, &tx, &ty, &tdy, &tdx, &info);
     *casts = info.casts_per_step;
-    fm_moe_layer_destroy(L);
     return st;
 }
 

@@ -15,22 +15,14 @@ static void step(int threads, fm_recipe rc, int64_t T, int64_t H, int64_t I, int
     fm_context *ctx = tu_cpu_context(threads);
     fm_moe_layer_config cfg = {.hidden = H, .ffn = I, .experts = E, .topk = k, .renormalize = 1, .recipe = rc,
                                .max_tokens = T};
-    fm_moe_layer *L = NULL;
     out->y = malloc((size_t)(T * H) * 4), out->dx = malloc((size_t)(T * H) * 4);
     out->gr = calloc((size_t)(E * H), 4), out->g1 = calloc((size_t)(E * 2 * I * H), 4);
     out->g2 = calloc((size_t)(E * H * I), 4);
     fm_moe_weights w = {(float *)wr, (float *)w1, (float *)w2, out->gr, out->g1, out->g2};
     fm_tensor tx = fm_tensor_2d((void *)x, FM_DTYPE_F32, T, H), ty = fm_tensor_2d(out->y, FM_DTYPE_F32, T, H);
     fm_tensor tdy = fm_tensor_2d((void *)dy, FM_DTYPE_F32, T, H), tdx = fm_tensor_2d(out->dx, FM_DTYPE_F32, T, H);
-    fm_status st = fm_moe_layer_create(ctx, &cfg, &L);
-    if (!st)
-        st = fm_moe_layer_refresh_weights(L, &w);
-    if (!st)
-        st = fm_moe_layer_forward(L, &w, &tx, &ty);
-    if (!st)
-        st = fm_moe_layer_backward(L, &w, &tx, &tdy, &tdx);
+    fm_status st = tu_layer_step(ctx, &cfg, &w, &tx, &ty, &tdy, &tdx, NULL);
     CHECK(st == FM_OK, "%s, %d threads: %s", fm_recipe_name(rc), threads, fm_last_error(ctx));
-    fm_moe_layer_destroy(L);
     fm_context_destroy(ctx);
 }
 

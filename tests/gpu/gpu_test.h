@@ -2,6 +2,8 @@
 #ifndef FM_GPU_TEST_H
 #define FM_GPU_TEST_H
 
+#include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -56,6 +58,47 @@ static inline fm_context *gt_cpu_context(void)
         exit(1);
     }
     return ctx;
+}
+
+/* A normal variate (sum of 12 uniforms) from a xorshift state. */
+static inline double gt_normal(uint64_t *rng)
+{
+    double u = 0;
+    for (int i = 0; i < 12; i++) {
+        *rng ^= *rng << 13, *rng ^= *rng >> 7, *rng ^= *rng << 17;
+        u += (double)(*rng >> 11) * (1.0 / 9007199254740992.0);
+    }
+    return u - 6.0;
+}
+
+/* Relative Frobenius error of a against b (absolute when b is all zero). */
+static inline double gt_rel_frob(const float *a, const float *b, int64_t n)
+{
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double d = (double)a[i] - b[i];
+        num += d * d;
+        den += (double)b[i] * b[i];
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+/* One layer step: create, refresh, forward, backward, synchronize, destroy. */
+static inline fm_status gt_layer_step(fm_context *ctx, const fm_moe_layer_config *cfg, const fm_moe_weights *w,
+                                      const fm_tensor *x, fm_tensor *y, const fm_tensor *dy, fm_tensor *dx)
+{
+    fm_moe_layer *L = NULL;
+    fm_status st = fm_moe_layer_create(ctx, cfg, &L);
+    if (!st)
+        st = fm_moe_layer_refresh_weights(L, w);
+    if (!st)
+        st = fm_moe_layer_forward(L, w, x, y);
+    if (!st)
+        st = fm_moe_layer_backward(L, w, x, dy, dx);
+    if (!st)
+        st = fm_context_synchronize(ctx);
+    fm_moe_layer_destroy(L);
+    return st;
 }
 
 static inline int gt_finish(const char *test)

@@ -8,7 +8,6 @@
  * GPUs as there are, up to 4: on one GPU a one-rank communicator still sends
  * every row through NCCL and the pack / unpack kernels. Skips (77) without a
  * CUDA device or without NCCL. */
-#include <math.h>
 #include <pthread.h>
 
 #include "gpu_test.h"
@@ -34,26 +33,6 @@ typedef struct {
 } rank_io;
 
 static uint64_t rng = 0x9E3779B97F4A7C15ull;
-static double nrm(void)
-{
-    double u = 0;
-    for (int i = 0; i < 12; i++) {
-        rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
-        u += (double)(rng >> 11) * (1.0 / 9007199254740992.0);
-    }
-    return u - 6.0;
-}
-
-static double rel(const float *a, const float *b, int64_t n)
-{
-    double num = 0, den = 0;
-    for (int64_t i = 0; i < n; i++) {
-        double d = (double)a[i] - b[i];
-        num += d * d;
-        den += (double)b[i] * b[i];
-    }
-    return den > 0 ? sqrt(num / den) : sqrt(num);
-}
 
 static void *rank_step(void *arg)
 {
@@ -62,24 +41,14 @@ static void *rank_step(void *arg)
         cudaSetDevice(io->r);
     fm_moe_layer_config cfg = {.hidden = io->H, .ffn = io->I, .experts = io->E, .topk = io->k, .renormalize = 1,
                                .recipe = io->rc, .max_tokens = io->Tmax, .comm = io->comm};
-    fm_moe_layer *L = NULL;
-    fm_status st = fm_moe_layer_create(io->ctx, &cfg, &L);
     fm_moe_weights w = {io->p[WR], io->p[W1], io->p[W2], io->p[GR], io->p[G1], io->p[G2]};
     fm_tensor x = fm_tensor_2d(io->p[X], FM_DTYPE_F32, io->T, io->H), y = fm_tensor_2d(io->p[Y], FM_DTYPE_F32, io->T, io->H);
     fm_tensor dy = fm_tensor_2d(io->p[DY], FM_DTYPE_F32, io->T, io->H);
     fm_tensor dx = fm_tensor_2d(io->p[DX], FM_DTYPE_F32, io->T, io->H);
     x.device = y.device = dy.device = dx.device = fm_context_device(io->ctx);
-    if (!st)
-        st = fm_moe_layer_refresh_weights(L, &w);
-    if (!st)
-        st = fm_moe_layer_forward(L, &w, &x, &y);
-    if (!st)
-        st = fm_moe_layer_backward(L, &w, &x, &dy, &dx);
-    if (!st)
-        st = fm_context_synchronize(io->ctx);
+    fm_status st = gt_layer_step(io->ctx, &cfg, &w, &x, &y, &dy, &dx);
     io->st = st;
     snprintf(io->err, sizeof io->err, "%s", fm_last_error(io->ctx));
-    fm_moe_layer_destroy(L);
     return NULL;
 }
 
@@ -148,7 +117,7 @@ static void run_world(int n)
                 size_t bytes = (size_t)n_el[b] * 4;
                 host[r][b] = malloc(bytes);
                 for (int64_t i = 0; i < n_el[b]; i++) /* the router is every rank's copy of one matrix */
-                    host[r][b][i] = sc[b] > 0 ? (float)(nrm() * sc[b]) : 0.0f;
+                    host[r][b][i] = sc[b] > 0 ? (float)(gt_normal(&rng) * sc[b]) : 0.0f;
                 if (b == WR && r > 0)
                     memcpy(host[r][b], host[0][b], bytes);
                 c[r].p[b] = malloc(bytes);
@@ -180,7 +149,7 @@ static void run_world(int n)
                 GT_CHECK(fm_context_copy(gpu[r], got, FM_DEVICE_HOST, g[r].p[b], FM_DEVICE_CUDA, (size_t)n_el[b] * 4) ==
                              FM_OK,
                          "copy back");
-                double e = rel(got, c[r].p[b], m);
+                double e = gt_rel_frob(got, c[r].p[b], m);
                 printf("%-14s %d ranks, rank %d %-12s rel. error %.2e (bound %.0e)\n", rn, n, r, on[o], e, tol);
                 GT_CHECK(e <= tol, "%s, %d ranks, rank %d %s: NCCL/CUDA vs in-process/CPU rel. error %.3g > %.3g", rn,
                          n, r, on[o], e, tol);

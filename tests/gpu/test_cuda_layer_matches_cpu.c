@@ -5,38 +5,16 @@
  * recipe re-quantizes GEMM outputs, where such a difference can move a value
  * to the neighbouring code: the bound is the GEMM tolerance for bf16 and
  * what one E4M3 step on a few elements gives for the FP8 recipes. */
-#include <math.h>
-
 #include "gpu_test.h"
 
 static uint64_t rng = 0x9E3779B97F4A7C15ull;
-static double nrm(void)
-{
-    double u = 0;
-    for (int i = 0; i < 12; i++) {
-        rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
-        u += (double)(rng >> 11) * (1.0 / 9007199254740992.0);
-    }
-    return u - 6.0;
-}
 
 static float *randv(int64_t n, double s)
 {
     float *v = malloc((size_t)n * 4);
     for (int64_t i = 0; i < n; i++)
-        v[i] = (float)(nrm() * s);
+        v[i] = (float)(gt_normal(&rng) * s);
     return v;
-}
-
-static double rel(const float *a, const float *b, int64_t n)
-{
-    double num = 0, den = 0;
-    for (int64_t i = 0; i < n; i++) {
-        double d = (double)a[i] - b[i];
-        num += d * d;
-        den += (double)b[i] * b[i];
-    }
-    return den > 0 ? sqrt(num / den) : sqrt(num);
 }
 
 enum { WR, W1, W2, GR, G1, G2, X, Y, DY, DX, NB };
@@ -48,22 +26,11 @@ typedef struct {
 /* One forward + backward in ctx; buffers live in ctx's memory. */
 static fm_status step(fm_context *ctx, const fm_moe_layer_config *cfg, bufs *b, int64_t T, int64_t H)
 {
-    fm_moe_layer *L = NULL;
-    fm_status st = fm_moe_layer_create(ctx, cfg, &L);
     fm_moe_weights w = {b->p[WR], b->p[W1], b->p[W2], b->p[GR], b->p[G1], b->p[G2]};
     fm_tensor x = fm_tensor_2d(b->p[X], FM_DTYPE_F32, T, H), y = fm_tensor_2d(b->p[Y], FM_DTYPE_F32, T, H);
     fm_tensor dy = fm_tensor_2d(b->p[DY], FM_DTYPE_F32, T, H), dx = fm_tensor_2d(b->p[DX], FM_DTYPE_F32, T, H);
     x.device = y.device = dy.device = dx.device = fm_context_device(ctx);
-    if (!st)
-        st = fm_moe_layer_refresh_weights(L, &w);
-    if (!st)
-        st = fm_moe_layer_forward(L, &w, &x, &y);
-    if (!st)
-        st = fm_moe_layer_backward(L, &w, &x, &dy, &dx);
-    if (!st)
-        st = fm_context_synchronize(ctx);
-    fm_moe_layer_destroy(L);
-    return st;
+    return gt_layer_step(ctx, cfg, &w, &x, &y, &dy, &dx);
 }
 
 int main(void)
@@ -131,7 +98,7 @@ int main(void)
                 float *g = malloc((size_t)n[i] * 4);
                 GT_CHECK(fm_context_copy(gpu, g, FM_DEVICE_HOST, d.p[i], FM_DEVICE_CUDA, (size_t)n[i] * 4) == FM_OK,
                          "copy back");
-                double e = rel(g, c.p[i], n[i]);
+                double e = gt_rel_frob(g, c.p[i], n[i]);
                 printf("%-14s %-12s rel. error %.2e (bound %.0e)\n", rn, on[o], e, tol);
                 GT_CHECK(e <= tol, "%s %s: CUDA vs CPU rel. Frobenius error %.3g > %.3g", rn, on[o], e, tol);
                 free(g);
