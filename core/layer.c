@@ -436,15 +436,6 @@ fm_status fm_moe_layer_create(fm_context *ctx, const fm_moe_layer_config *cfg, f
         free(L);
         return st;
     }
-    /* Zeroed once: every step writes what it reads, but a buffer that only
-     * cuBLASLt writes (its TMA stores) looks unwritten to compute-sanitizer
-     * initcheck, which then floods the layer's kernels with false reports. */
-    if ((st = fm_context_memset(ctx, L->mem, 0, (size_t)L->mem_bytes))) {
-        fm_context_free(ctx, L->mem);
-        free(L->host_splits);
-        free(L);
-        return st;
-    }
     p = (planner){L->mem, 0};
     plan(L, &p);
     /* The all-ones column that turns fm_moe_unpermute_backward into the
