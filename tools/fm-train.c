@@ -255,9 +255,10 @@ static int parse_args(int argc, char **argv, options *o)
     }
     o->nstudents = o->nrecipes + o->control;
     /* Working set: the biggest buffers are the expert weights, ~20 floats per
-     * weight per recipe (masters, grads, moments, layer copies). */
+     * weight per recipe (masters, grads, moments, layer copies), on every
+     * --ep rank (each keeps a replica of the masters). */
     double weights = (double)o->layers * (double)o->experts * 3.0 * (double)o->ffn * (double)o->hidden;
-    if (weights * 80.0 * o->nstudents + (double)o->tokens * (double)o->hidden * 4.0 * 8 * (double)o->layers >
+    if (weights * 80.0 * o->nstudents * (double)o->ep + (double)o->tokens * (double)o->hidden * 4.0 * 8 * (double)o->layers >
         64.0 * (1ull << 30))
         return usage_error("%s", "the model is too large: it would need over 64 GiB of memory");
     if (!print_every_set)
