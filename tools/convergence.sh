@@ -2,9 +2,11 @@
 # The convergence study of issue 8: fm-train over several seeds, each
 # recipe's final-loss gap to bf16 per seed, then their mean, smallest and
 # largest, and the mean gap of the same final weights run through bf16
-# layers (what training did, apart from the recipe's own forward). One run's gap is not a measure of a recipe (the students'
-# trajectories drift apart differently for each seed); the mean over seeds,
-# next to its spread, is.
+# layers (what training did, apart from the recipe's own forward); with
+# --control also each recipe's gap minus the control's, seed by seed. Means
+# come with their standard error (sample sd / sqrt(seeds)). One run's gap is
+# not a measure of a recipe (the students' trajectories drift apart
+# differently for each seed); the mean over seeds, next to its spread, is.
 #
 #   tools/convergence.sh SEEDS [fm-train arguments...]
 #       e.g. tools/convergence.sh 8 --steps 600 --lr 3e-3
@@ -40,15 +42,33 @@ for s in $(seq 1 "$seeds"); do
 done | tee "$out/gaps.txt" | awk '
     { printf "seed %s %-14s final %s gap %s%% (bf16 forward: %s%%)\n", $1, $2, $3, $4, $5 }
     $2 != "bf16" {
-        n[$2]++; sum[$2] += $4; sum16[$2] += $5
+        n[$2]++; sum[$2] += $4; sq[$2] += $4 * $4; sum16[$2] += $5; gap[$2, $1] = $4
         if (!($2 in lo) || $4 < lo[$2]) lo[$2] = $4
         if (!($2 in hi) || $4 > hi[$2]) hi[$2] = $4
     }
+    # mean and standard error of the mean (sample sd / sqrt(n)); "-" for one seed
+    function se(s, q, k) { return k > 1 ? sqrt((q - s * s / k) / (k - 1) / k) : -1 }
+    function pm(v) { return v < 0 ? "-" : sprintf("%.2f", v) }
     END {
-        print "\n| recipe | seeds | mean gap to bf16 | smallest | largest | mean gap, final weights through bf16 layers |"
-        print "|---|---:|---:|---:|---:|---:|"
+        print "\n| recipe | seeds | mean gap to bf16 +- SE | smallest | largest | mean gap, final weights through bf16 layers | minus bf16-control, seed by seed, +- SE |"
+        print "|---|---:|---:|---:|---:|---:|---:|"
         split("fp8-blockwise fp8-flow fp8-flow-fp4 bf16-control", order, " ")
-        for (i = 1; i <= 4; i++)
-            if ((r = order[i]) in n)
-                printf "| %s | %d | %+.2f%% | %+.2f%% | %+.2f%% | %+.2f%% |\n", r, n[r], sum[r] / n[r], lo[r], hi[r], sum16[r] / n[r]
+        for (i = 1; i <= 4; i++) {
+            if (!((r = order[i]) in n))
+                continue
+            d = "-"
+            if (r != "bf16-control" && ("bf16-control" in n)) {
+                k = 0; ds = 0; dq = 0
+                for (key in gap) {
+                    split(key, part, SUBSEP)
+                    if (part[1] == r && (("bf16-control", part[2]) in gap)) {
+                        v = gap[key] - gap["bf16-control", part[2]]; k++; ds += v; dq += v * v
+                    }
+                }
+                if (k > 0)
+                    d = sprintf("%+.2f +- %s", ds / k, pm(se(ds, dq, k)))
+            }
+            printf "| %s | %d | %+.2f%% +- %s | %+.2f%% | %+.2f%% | %+.2f%% | %s |\n", r, n[r], sum[r] / n[r],
+                pm(se(sum[r], sq[r], n[r])), lo[r], hi[r], sum16[r] / n[r], d
+        }
     }'
