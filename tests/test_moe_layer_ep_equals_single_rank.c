@@ -16,7 +16,8 @@
  *    BF16-output GEMM tolerance); the router gradient (this rank's tokens'
  *    share, summed over ranks here) <= 5e-4 (the F32-output one);
  *  - the flow recipes still make exactly 2 casts per step on every rank.
- * 1, 2 and 4 ranks, a rank with no tokens, k = 2 and 3. Also: a config whose
+ * 1, 2, 4 and 8 ranks (8: one expert each), ranks with no tokens, k = 2
+ * and 3. Also: a config whose
  * ranks do not split the experts is refused with a sentence, and a rank that
  * fails its step (a bad x) aborts the group: the others return
  * FM_ERR_BACKEND instead of waiting forever. */
@@ -25,7 +26,7 @@
 
 #include "test_util.h"
 
-enum { MAXR = 4 };
+enum { MAXR = 8 };
 
 typedef struct {
     int64_t H, I, E, Tmax;
@@ -225,10 +226,10 @@ int main(void)
     for (int64_t i = 0; i < E * H * I; i++)
         w2[i] = (float)(tu_normal() * 0.12);
 
-    static const int64_t tokens[3][MAXR] = {{97}, {61, 80}, {45, 0, 70, 33}};
-    static const int ranks[3] = {1, 2, 4};
+    static const int64_t tokens[4][MAXR] = {{97}, {61, 80}, {45, 0, 70, 33}, {12, 30, 0, 7, 25, 1, 19, 40}};
+    static const int ranks[4] = {1, 2, 4, 8};
     for (int rc = 0; rc < FM_RECIPE_COUNT; rc++)
-        for (int c = 0; c < 3; c++) {
+        for (int c = 0; c < 4; c++) {
             model m = {H, I, E, 0, c == 1 ? 3 : 2, (fm_recipe)rc, wr, w1, w2};
             one_case(&m, ranks[c], tokens[c]);
         }
