@@ -798,6 +798,10 @@ static void print_table(const trainer *tr, const student *st)
                s->info_saved, s->info_saved / 1024.0,
                s->seconds > 0 ? (double)(o->tokens * o->steps) / s->seconds : 0);
     }
+    if (tr->nranks > 1)
+        printf("(--ep %d: casts and saved bytes are rank 0's layers', for its %lld of the %lld tokens; tokens/s is "
+               "the whole batch over rank 0's time)\n",
+               tr->nranks, (long long)tr->T, (long long)tr->Tall);
 }
 
 /* The layer's own count (fm_moe_layer_get_info) must agree with the context
