@@ -15,7 +15,8 @@
  *    and the order of the sum: relative Frobenius error <= 5e-3 (DESIGN.md's
  *    BF16-output GEMM tolerance); the router gradient (this rank's tokens'
  *    share, summed over ranks here) <= 5e-4 (the F32-output one);
- *  - the flow recipes still make exactly 2 casts per step on every rank.
+ *  - the flow recipes still make exactly 2 casts per step on every rank;
+ *  - a second run gives the same bits (y, dx and every gradient).
  * 1, 2, 4 and 8 ranks (8: one expert each), ranks with no tokens, k = 2
  * and 3. Also: a config whose
  * ranks do not split the experts is refused with a sentence, and a rank that
@@ -96,9 +97,62 @@ static int all_finite(const float *p, int64_t n)
     return 1;
 }
 
+/* The outputs of one expert-parallel step: y, dx (all tokens, rank blocks
+ * in order), each rank's grad_router share [nranks][E, H], grad_w1, grad_w2
+ * (all experts, rank blocks in order). */
+typedef struct {
+    float *p[5];
+} ep_out;
+
+/* One step over nranks in-process ranks (a thread and a CPU context each);
+ * 1 when every rank succeeded (and made 2 casts, for the flow recipes). */
+static int run_ep(const model *m, int nranks, const int64_t *Tr, const float *x, const float *dy, ep_out *out,
+                  const char *what)
+{
+    int64_t H = m->H, I = m->I, E = m->E, El = E / nranks, Tall = 0, Tmax = 0;
+    for (int r = 0; r < nranks; r++) {
+        Tall += Tr[r];
+        Tmax = Tr[r] > Tmax ? Tr[r] : Tmax;
+    }
+    model mr = *m;
+    mr.Tmax = Tmax > 0 ? Tmax : 1;
+    float *y = malloc((size_t)(Tall * H) * 4 + 4), *dx = malloc((size_t)(Tall * H) * 4 + 4);
+    float *gr = calloc((size_t)(nranks * E * H), 4), *g1 = calloc((size_t)(E * 2 * I * H), 4);
+    float *g2 = calloc((size_t)(E * H * I), 4);
+    memset(y, 0xFF, (size_t)(Tall * H) * 4); /* NaN: every element must be written */
+    memset(dx, 0xFF, (size_t)(Tall * H) * 4);
+    *out = (ep_out){{y, dx, gr, g1, g2}};
+    fm_comm *comms[MAXR];
+    rank_io io[MAXR];
+    CHECK(fm_comm_create_inproc(nranks, comms) == FM_OK, "%s: fm_comm_create_inproc: %s", what, fm_last_error(NULL));
+    int64_t t0 = 0;
+    for (int r = 0; r < nranks; r++) {
+        io[r] = (rank_io){.m = &mr, .r = r, .nranks = nranks, .comm = comms[r], .T = Tr[r], .x = x + t0 * H,
+                          .dy = dy + t0 * H, .y = y + t0 * H, .dx = dx + t0 * H, .gr = gr + r * E * H,
+                          .g1 = g1 + r * El * 2 * I * H, .g2 = g2 + r * El * H * I};
+        t0 += Tr[r];
+    }
+    pthread_t th[MAXR];
+    for (int r = 0; r < nranks; r++)
+        pthread_create(&th[r], NULL, rank_main, &io[r]);
+    for (int r = 0; r < nranks; r++)
+        pthread_join(th[r], NULL);
+    int ok = 1;
+    for (int r = 0; r < nranks; r++) {
+        CHECK(io[r].st == FM_OK, "%s: rank %d: %s \"%s\"", what, r, fm_status_name(io[r].st), io[r].err);
+        ok &= io[r].st == FM_OK;
+        if (m->rc == FM_RECIPE_FP8_FLOW || m->rc == FM_RECIPE_FP8_FLOW_FP4)
+            CHECK(io[r].st || io[r].casts == 2, "%s: rank %d made %lld casts in its step, not 2", what, r,
+                  (long long)io[r].casts);
+    }
+    for (int r = 0; r < nranks; r++)
+        fm_comm_destroy(comms[r]);
+    return ok;
+}
+
 static void one_case(const model *m, int nranks, const int64_t *Tr)
 {
-    int64_t H = m->H, I = m->I, E = m->E, El = E / nranks, Tall = 0;
+    int64_t H = m->H, I = m->I, E = m->E, Tall = 0;
     for (int r = 0; r < nranks; r++)
         Tall += Tr[r];
     float *x = malloc((size_t)(Tall * H) * 4), *dy = malloc((size_t)(Tall * H) * 4);
@@ -121,41 +175,15 @@ static void one_case(const model *m, int nranks, const int64_t *Tr)
     fm_comm_destroy(one);
     fm_context_destroy(ctx);
 
-    /* the same over nranks in-process ranks */
-    fm_comm *comms[MAXR];
-    rank_io io[MAXR];
-    CHECK(fm_comm_create_inproc(nranks, comms) == FM_OK, "%s: fm_comm_create_inproc: %s", what, fm_last_error(NULL));
-    int64_t t0 = 0, Tmax = 0;
-    for (int r = 0; r < nranks; r++)
-        Tmax = Tr[r] > Tmax ? Tr[r] : Tmax;
-    model mr = *m;
-    mr.Tmax = Tmax > 0 ? Tmax : 1;
-    float *y = malloc((size_t)(Tall * H) * 4 + 4), *dx = malloc((size_t)(Tall * H) * 4 + 4);
-    float *gr = calloc((size_t)(nranks * E * H), 4), *g1 = calloc((size_t)(E * 2 * I * H), 4);
-    float *g2 = calloc((size_t)(E * H * I), 4);
-    memset(y, 0xFF, (size_t)(Tall * H) * 4); /* NaN: every element must be written */
-    memset(dx, 0xFF, (size_t)(Tall * H) * 4);
-    for (int r = 0; r < nranks; r++) {
-        io[r] = (rank_io){.m = &mr, .r = r, .nranks = nranks, .comm = comms[r], .T = Tr[r], .x = x + t0 * H,
-                          .dy = dy + t0 * H, .y = y + t0 * H, .dx = dx + t0 * H, .gr = gr + r * E * H,
-                          .g1 = g1 + r * El * 2 * I * H, .g2 = g2 + r * El * H * I};
-        t0 += Tr[r];
-    }
-    pthread_t th[MAXR];
-    for (int r = 0; r < nranks; r++)
-        pthread_create(&th[r], NULL, rank_main, &io[r]);
-    for (int r = 0; r < nranks; r++)
-        pthread_join(th[r], NULL);
-    int ok = 1;
-    for (int r = 0; r < nranks; r++) {
-        CHECK(io[r].st == FM_OK, "%s: rank %d: %s \"%s\"", what, r, fm_status_name(io[r].st), io[r].err);
-        ok &= io[r].st == FM_OK;
-        if (m->rc == FM_RECIPE_FP8_FLOW || m->rc == FM_RECIPE_FP8_FLOW_FP4)
-            CHECK(io[r].st || io[r].casts == 2, "%s: rank %d made %lld casts in its step, not 2", what, r,
-                  (long long)io[r].casts);
-    }
-    for (int r = 0; r < nranks; r++)
-        fm_comm_destroy(comms[r]);
+    /* the same over nranks in-process ranks, twice: the second run must
+     * give the same bits (the reductions have a fixed order) */
+    ep_out a, b;
+    int ok = run_ep(m, nranks, Tr, x, dy, &a, what) & run_ep(m, nranks, Tr, x, dy, &b, what);
+    const int64_t n[5] = {Tall * H, Tall * H, nranks * E * H, E * 2 * I * H, E * H * I};
+    static const char *const on[5] = {"y", "dx", "grad_router", "grad_w1", "grad_w2"};
+    for (int o = 0; o < 5 && ok; o++)
+        CHECK(memcmp(a.p[o], b.p[o], (size_t)n[o] * 4) == 0, "%s: %s differs between two runs", what, on[o]);
+    float *y = a.p[0], *dx = a.p[1], *gr = a.p[2], *g1 = a.p[3], *g2 = a.p[4];
     if (ok) {
         for (int r = 1; r < nranks; r++) /* this rank's share, summed */
             for (int64_t i = 0; i < E * H; i++)
@@ -170,7 +198,8 @@ static void one_case(const model *m, int nranks, const int64_t *Tr)
         CHECK(memcmp(g2, g21, (size_t)n2 * 4) == 0, "%s: grad_w2 differs from the single-rank layer's", what);
     }
     free(x), free(dy), free(y1), free(dx1), free(gr1), free(g11), free(g21);
-    free(y), free(dx), free(gr), free(g1), free(g2);
+    for (int o = 0; o < 5; o++)
+        free(a.p[o]), free(b.p[o]);
 }
 
 /* One rank passes x of the wrong width: it fails with INVALID_ARG and its
