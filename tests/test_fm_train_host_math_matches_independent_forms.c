@@ -204,27 +204,35 @@ static void test_moe(int64_t T, int64_t H, int64_t I, int64_t E, int k, int reno
 }
 
 /* Numerical rank of a [rows, cols] matrix by Gaussian elimination with
- * partial pivoting, in double. */
+ * complete pivoting, in double: each step takes the largest remaining
+ * element, so the steps stop where what is left is rounding (the F32 inputs'
+ * 2^-24) and not a small pivot a column order happened to give (partial
+ * pivoting called a rank-3 matrix rank 4 for 1 seed in a few hundred). */
 static int64_t matrix_rank(const float *m, int64_t rows, int64_t cols)
 {
     double *a = malloc((size_t)(rows * cols) * 8), big = 0;
     for (int64_t i = 0; i < rows * cols; i++)
         a[i] = m[i], big = fabs(a[i]) > big ? fabs(a[i]) : big;
     int64_t rank = 0;
-    for (int64_t c = 0; c < cols && rank < rows; c++) {
-        int64_t piv = rank;
+    while (rank < rows && rank < cols) {
+        int64_t pr = rank, pc = rank;
         for (int64_t r = rank; r < rows; r++)
-            if (fabs(a[r * cols + c]) > fabs(a[piv * cols + c]))
-                piv = r;
-        if (fabs(a[piv * cols + c]) <= 1e-5 * big)
-            continue;
-        for (int64_t j = 0; j < cols; j++) {
-            double t = a[piv * cols + j];
-            a[piv * cols + j] = a[rank * cols + j], a[rank * cols + j] = t;
+            for (int64_t c = rank; c < cols; c++)
+                if (fabs(a[r * cols + c]) > fabs(a[pr * cols + pc]))
+                    pr = r, pc = c;
+        if (fabs(a[pr * cols + pc]) <= 1e-5 * big)
+            break;
+        for (int64_t j = 0; j < cols; j++) { /* the pivot's row and column to position rank */
+            double t = a[pr * cols + j];
+            a[pr * cols + j] = a[rank * cols + j], a[rank * cols + j] = t;
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            double t = a[r * cols + pc];
+            a[r * cols + pc] = a[r * cols + rank], a[r * cols + rank] = t;
         }
         for (int64_t r = rank + 1; r < rows; r++) {
-            double f = a[r * cols + c] / a[rank * cols + c];
-            for (int64_t j = c; j < cols; j++)
+            double f = a[r * cols + rank] / a[rank * cols + rank];
+            for (int64_t j = rank; j < cols; j++)
                 a[r * cols + j] -= f * a[rank * cols + j];
         }
         rank++;
