@@ -62,7 +62,7 @@ static fm_status run_layer(fm_context *ctx, const model *m, fm_comm *comm, int n
     fm_tensor ty = fm_tensor_2d(y, FM_DTYPE_F32, T, m->H);
     fm_tensor tdy = fm_tensor_2d((void *)dy, FM_DTYPE_F32, T, m->H), tdx = fm_tensor_2d(dx, FM_DTYPE_F32, T, m->H);
     fm_moe_layer_info info = {0};
-    fm_status st = tu_layer_step(ctx, &cfg, &w, &tx, &ty, &tdy, &tdx, &info);
+    fm_status st = layer_step(ctx, &cfg, &w, &tx, &ty, &tdy, &tdx, &info);
     *casts = info.casts_per_step;
     return st;
 }

@@ -21,7 +21,7 @@ static void step(int threads, fm_recipe rc, int64_t T, int64_t H, int64_t I, int
     fm_moe_weights w = {(float *)wr, (float *)w1, (float *)w2, out->gr, out->g1, out->g2};
     fm_tensor tx = fm_tensor_2d((void *)x, FM_DTYPE_F32, T, H), ty = fm_tensor_2d(out->y, FM_DTYPE_F32, T, H);
     fm_tensor tdy = fm_tensor_2d((void *)dy, FM_DTYPE_F32, T, H), tdx = fm_tensor_2d(out->dx, FM_DTYPE_F32, T, H);
-    fm_status st = tu_layer_step(ctx, &cfg, &w, &tx, &ty, &tdy, &tdx, NULL);
+    fm_status st = layer_step(ctx, &cfg, &w, &tx, &ty, &tdy, &tdx, NULL);
     CHECK(st == FM_OK, "%s, %d threads: %s", fm_recipe_name(rc), threads, fm_last_error(ctx));
     fm_context_destroy(ctx);
 }

@@ -561,23 +561,6 @@ fm_context *tu_cpu_context(int threads)
     return ctx;
 }
 
-fm_status tu_layer_step(fm_context *ctx, const fm_moe_layer_config *cfg, const fm_moe_weights *w,
-                        const fm_tensor *x, fm_tensor *y, const fm_tensor *dy, fm_tensor *dx, fm_moe_layer_info *info)
-{
-    fm_moe_layer *L = NULL;
-    fm_status st = fm_moe_layer_create(ctx, cfg, &L);
-    if (!st)
-        st = fm_moe_layer_refresh_weights(L, w);
-    if (!st)
-        st = fm_moe_layer_forward(L, w, x, y);
-    if (!st)
-        st = fm_moe_layer_backward(L, w, x, dy, dx);
-    if (!st && info)
-        st = fm_moe_layer_get_info(L, info);
-    fm_moe_layer_destroy(L);
-    return st;
-}
-
 tu_buf tu_buf_new(size_t n)
 {
     tu_buf b = {NULL, n, 64};

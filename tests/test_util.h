@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "flowmoe/flowmoe.h"
+#include "layer_step.h"
 
 /* Every element dtype x scaling mode pair the library quantizes to. */
 typedef struct {
@@ -162,10 +163,7 @@ int tu_same_bytes(const void *got, const void *want, size_t n, const char *what,
 
 /* A CPU context or exit(1) with the reason. */
 fm_context *tu_cpu_context(int threads);
-/* One layer step: create, refresh, forward, backward, destroy; *info (if
- * given) gets the layer's facts after the step. */
-fm_status tu_layer_step(fm_context *ctx, const fm_moe_layer_config *cfg, const fm_moe_weights *w,
-                        const fm_tensor *x, fm_tensor *y, const fm_tensor *dy, fm_tensor *dx, fm_moe_layer_info *info);
+
 tu_buf tu_buf_new(size_t n);
 void tu_buf_poison(tu_buf *b, uint8_t v);
 int tu_buf_guard_ok(const tu_buf *b);

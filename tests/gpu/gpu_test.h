@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include "flowmoe/flowmoe.h"
+#include "../layer_step.h"
 
 static int gt_failures;
 
@@ -81,24 +82,6 @@ static inline double gt_rel_frob(const float *a, const float *b, int64_t n)
         den += (double)b[i] * b[i];
     }
     return den > 0 ? sqrt(num / den) : sqrt(num);
-}
-
-/* One layer step: create, refresh, forward, backward, synchronize, destroy. */
-static inline fm_status gt_layer_step(fm_context *ctx, const fm_moe_layer_config *cfg, const fm_moe_weights *w,
-                                      const fm_tensor *x, fm_tensor *y, const fm_tensor *dy, fm_tensor *dx)
-{
-    fm_moe_layer *L = NULL;
-    fm_status st = fm_moe_layer_create(ctx, cfg, &L);
-    if (!st)
-        st = fm_moe_layer_refresh_weights(L, w);
-    if (!st)
-        st = fm_moe_layer_forward(L, w, x, y);
-    if (!st)
-        st = fm_moe_layer_backward(L, w, x, dy, dx);
-    if (!st)
-        st = fm_context_synchronize(ctx);
-    fm_moe_layer_destroy(L);
-    return st;
 }
 
 static inline int gt_finish(const char *test)

@@ -46,7 +46,7 @@ static void *rank_step(void *arg)
     fm_tensor dy = fm_tensor_2d(io->p[DY], FM_DTYPE_F32, io->T, io->H);
     fm_tensor dx = fm_tensor_2d(io->p[DX], FM_DTYPE_F32, io->T, io->H);
     x.device = y.device = dy.device = dx.device = fm_context_device(io->ctx);
-    fm_status st = gt_layer_step(io->ctx, &cfg, &w, &x, &y, &dy, &dx);
+    fm_status st = layer_step(io->ctx, &cfg, &w, &x, &y, &dy, &dx, NULL);
     io->st = st;
     snprintf(io->err, sizeof io->err, "%s", fm_last_error(io->ctx));
     return NULL;

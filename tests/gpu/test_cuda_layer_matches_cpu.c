@@ -30,7 +30,7 @@ static fm_status step(fm_context *ctx, const fm_moe_layer_config *cfg, bufs *b, 
     fm_tensor x = fm_tensor_2d(b->p[X], FM_DTYPE_F32, T, H), y = fm_tensor_2d(b->p[Y], FM_DTYPE_F32, T, H);
     fm_tensor dy = fm_tensor_2d(b->p[DY], FM_DTYPE_F32, T, H), dx = fm_tensor_2d(b->p[DX], FM_DTYPE_F32, T, H);
     x.device = y.device = dy.device = dx.device = fm_context_device(ctx);
-    return gt_layer_step(ctx, cfg, &w, &x, &y, &dy, &dx);
+    return layer_step(ctx, cfg, &w, &x, &y, &dy, &dx, NULL);
 }
 
 int main(void)
