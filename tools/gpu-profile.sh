@@ -9,16 +9,25 @@
 #
 #   OUT=/dir tools/gpu-profile.sh 'KERNEL_REGEX|fm-bench filter' ...
 #   e.g. tools/gpu-profile.sh 'quant_tile_kernel|BF16->E4M3 1x128 row+col'
+# FM_CARRIED=1 runs the fm-bench of build-carry/bins.tar.xz (tools/gpu-pack.sh
+# tools/fm-bench here, carry ["build-carry"]) instead of building one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-profile-out}
 mkdir -p "$OUT"
 export PATH=/usr/local/cuda/bin:$PATH
 B=build-gpu
-if [ ! -f "$B/build.ninja" ]; then
-    meson setup "$B" -Dcuda=enabled -Doracle_tests=false -Dbuildtype=debugoptimized >"$OUT/build.log" 2>&1 || exit 1
+if [ -f build-carry/bins.tar.xz ] && [ -n "${FM_CARRIED:-}" ]; then
+    # fm-bench built here by tools/gpu-pack.sh tools/fm-bench: no rebuild on the device
+    mkdir -p /tmp/fm-carried && tar -xJf build-carry/bins.tar.xz -C /tmp/fm-carried || exit 1
+    BENCH=/tmp/fm-carried/bin/fm-bench
+else
+    if [ ! -f "$B/build.ninja" ]; then
+        meson setup "$B" -Dcuda=enabled -Doracle_tests=false -Dbuildtype=debugoptimized >"$OUT/build.log" 2>&1 || exit 1
+    fi
+    ninja -C "$B" tools/fm-bench >>"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+    BENCH=$B/tools/fm-bench
 fi
-ninja -C "$B" tools/fm-bench >>"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 # Where warps wait, as average cycles per warp (ratios between them are what matter).
 STALLS=$(printf 'smsp__average_warp_latency_issue_stalled_%s,' barrier long_scoreboard short_scoreboard \
@@ -33,7 +42,7 @@ for spec in "$@"; do
         --section MemoryWorkloadAnalysis --section LaunchStats --section InstructionStats \
         --metrics "$STALLS,smsp__inst_executed.sum" \
         ${FM_NCU_SOURCE:+--section SourceCounters --import-source no -o "$OUT/ncu-$n"} \
-        "$B/tools/fm-bench" --reps 5 --filter "$f" >>"$OUT/ncu-$n.txt" 2>&1
+        "$BENCH" --reps 5 --filter "$f" >>"$OUT/ncu-$n.txt" 2>&1
     if [ -n "${FM_NCU_SOURCE:-}" ]; then
         "$NCU" -i "$OUT/ncu-$n.ncu-rep" --page details >>"$OUT/ncu-$n.txt" 2>&1
         "$NCU" -i "$OUT/ncu-$n.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu-$n-sass.csv" 2>&1

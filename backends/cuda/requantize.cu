@@ -53,6 +53,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <cuda_fp16.h>
+
 #include "cuda.h"
 #include "kernels.cuh"
 
@@ -677,6 +679,201 @@ __global__ void __launch_bounds__(RQTHREADS, 2) requant_tile_kernel(const rqpara
     }
 }
 
+/* ---- row-wise conversions: a thread per 32-element row segment ------------
+ * fm_convert_scaled between the row-block modes (1 x 128, MX32) when rows
+ * split into whole segments (C a multiple of 32, of 128 for a 1 x 128
+ * output) and the buffers allow 16-byte accesses. One input scale and one
+ * output block cover a segment (or 4 adjacent lanes' segments, for a 1 x 128
+ * output), so a segment's work is one input exponent, one key and one
+ * multiplier 2^d:
+ *  - the key: the block key of the largest magnitude code (format.h's
+ *    fm_code_scale_exp is monotonic in the magnitude, and the non-finite
+ *    codes are the largest FP8 magnitudes), so one LUT lookup replaces the
+ *    tile kernel's lookup per element; the magnitudes' maximum is taken on
+ *    16-bit lanes (VIMNMX.U16x2), two codes an instruction.
+ *  - the codes: rq_encode_row, the tile kernel's arithmetic; for FP8 ->
+ *    E2M1 with 2^(d - 6) a half-precision number, rq_fp8_e2m1x8 below. */
+
+#define RQS_THREADS 256
+
+/* Largest magnitude code among 4 FP8 codes per word (n words), or 8 E2M1
+ * nibbles per word, via unsigned 16-bit maxima: a lane's maximum orders by
+ * its masked high field first, so each field position keeps its own lane. */
+template <int TI, int NW>
+FM_DI int rq_max_mag(const uint32_t (&w)[NW])
+{
+    if (TI == FM_DTYPE_E2M1) {
+        uint32_t a = 0, b = 0, c = 0, d = 0;
+#pragma unroll
+        for (int i = 0; i < NW; i++) {
+            a = __vmaxu2(a, w[i] & 0x70007000u);
+            b = __vmaxu2(b, w[i] & 0x07000700u);
+            c = __vmaxu2(c, w[i] & 0x00700070u);
+            d = __vmaxu2(d, w[i] & 0x00070007u);
+        }
+        a = __vmaxu2(a >> 12, b >> 8);
+        c = __vmaxu2(c >> 4, d);
+        a = __vmaxu2(a, c);
+        return (int)max(a & 0xFFFFu, a >> 16);
+    } else {
+        uint32_t hi = 0, lo = 0;
+#pragma unroll
+        for (int i = 0; i < NW; i += 2) {
+            hi = __vimax3_u16x2(hi, w[i] & 0x7F007F00u, w[i + 1] & 0x7F007F00u);
+            lo = __vimax3_u16x2(lo, w[i] & 0x007F007Fu, w[i + 1] & 0x007F007Fu);
+        }
+        hi = __vmaxu2(hi >> 8, lo);
+        return (int)max(hi & 0xFFFFu, hi >> 16);
+    }
+}
+
+/* 2^k as a half-precision number, k in [-24, 15] (subnormal below -14). */
+FM_DI uint32_t rq_h2_pow2(int k)
+{
+    const uint32_t h = k >= -14 ? (uint32_t)(k + 15) << 10 : 1u << (k + 24);
+    return h | (h << 16);
+}
+
+/* Eight FP8 codes (two words) -> eight E2M1 codes, times 2^d given as
+ * hm = 2^(d - 6) in both halves, in half precision: the same grid rounding
+ * as fm_e2m1_grid_e4m3 (which fm_fast_e2m1x8 runs in F32), on pairs. The
+ * product |v| 2^(d - 6) is exact wherever it can reach the E2M1 grid (an
+ * FP8 value has at most 4 significant bits, and half precision is exact
+ * down to 2^-14 while the grid starts at 2^-8); a smaller product may be
+ * rounded but still ends at 0, as in F32; an overflow to Inf is clamped to
+ * 6 2^-6 like any large value. Then |y| rounded to the grid's step in its
+ * binade by adding and subtracting M = 2^(e + 9) (floor 2^3): M's ulp is
+ * the step, the add rounds to nearest even, and the sum's mantissa field
+ * counts steps above M, so the E2M1 code is that count plus 2 (e_M - 3). */
+template <int TI>
+FM_DI uint32_t rq_fp8_e2m1x8(uint32_t w0, uint32_t w1, uint32_t hm)
+{
+    uint32_t c[4];
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        const uint32_t two = ((q < 2 ? w0 : w1) >> (16 * (q & 1))) & 0xFFFFu;
+        uint32_t h;
+        if (TI == FM_DTYPE_E4M3)
+            asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)two));
+        else
+            h = __byte_perm(two, 0u, 0x1404); /* an E5M2 code is the high byte of its F16 */
+        __half2 a = __hmul2(__habs2(*(__half2 *)&h), *(__half2 *)&hm);
+        a = __hmin2(a, __half2half2(__ushort_as_half((unsigned short)0x2E00u))); /* 6 * 2^-6 */
+        const uint32_t ab = *(uint32_t *)&a;
+        const uint32_t mb = __vmaxu2((ab & 0x7C007C00u) + 0x24002400u, 0x48004800u);
+        const __half2 sm = __hadd2(a, *(const __half2 *)&mb);
+        const uint32_t sb = *(const uint32_t *)&sm;
+        c[q] = (sb - mb + ((mb - 0x48004800u) >> 9)) | ((h >> 12) & 0x00080008u);
+    }
+    /* c[q]: element 2q in bits 0-3, 2q + 1 in bits 16-19 */
+    uint32_t x = c[0] | (c[1] << 8), y = c[2] | (c[3] << 8);
+    x |= x >> 12;
+    y |= y >> 12;
+    return __byte_perm(x, y, 0x5410);
+}
+
+FM_DI void rq_put_scale_rows(const rqparams &p, int64_t te, int64_t r, int64_t c, int pv)
+{
+    const int64_t off = rq_scale_off(p.out_mode, p.out_layout, p.R, p.C, p.nbo, p.bo_shift, te * p.sout, r, c);
+    const int bad = pv == RQ_BADP;
+    if (p.out_e8)
+        ((uint8_t *)p.out_scale)[off] = bad ? (uint8_t)FM_E8M0_NAN : (uint8_t)(pv + 127);
+    else
+        ((float *)p.out_scale)[off] = bad ? fm_bits_f32(FM_F32_CANON_NAN) : fm_exp2i(pv);
+    if (bad && p.nonfinite)
+        atomicAdd(p.nonfinite, 1ull);
+}
+
+template <int TI, int TO>
+__global__ void __launch_bounds__(RQS_THREADS) rq_rows_kernel(const rqparams p)
+{
+    constexpr int NMAG = TI == FM_DTYPE_E2M1 ? 8 : 128;
+    constexpr int NW = TI == FM_DTYPE_E2M1 ? 4 : 8; /* input words a segment */
+    __shared__ int lut[NMAG];
+    for (int i = threadIdx.x; i < NMAG; i += RQS_THREADS)
+        lut[i] = rq_code_key<TI, TO>(i, p.rule);
+    __syncthreads();
+
+    const int lane = threadIdx.x & 31;
+    const uint32_t spr = (uint32_t)(p.C >> 5); /* segments a stored row */
+    const uint32_t nseg = p.ntiles;
+    const uint32_t wstride = gridDim.x * RQS_THREADS;
+    /* Warp-uniform trip count: the lanes of a 1 x 128 output block reduce by shuffles. */
+    for (uint32_t base = blockIdx.x * RQS_THREADS + (threadIdx.x & ~31u); base < nseg; base += wstride) {
+        const uint32_t sg = base + lane;
+        const bool valid = sg < nseg;
+        const uint32_t row = valid ? fm_fastdiv_div(p.ntc, sg) : 0; /* stored row over all experts */
+        const uint32_t te = fm_fastdiv_div(p.ntr, row);
+        const int64_t r = row - te * p.ntr.d, c = (int64_t)(sg - row * spr) << 5;
+        const int64_t el = (int64_t)row * p.C + c; /* element index */
+
+        uint32_t w[NW];
+        if (valid) {
+            if (TI == FM_DTYPE_E2M1) {
+                const uint4 v = __ldcs((const uint4 *)(p.in + el / 2));
+                w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+            } else {
+                const uint4 v0 = __ldcs((const uint4 *)(p.in + el)), v1 = __ldcs((const uint4 *)(p.in + el + 16));
+                w[0] = v0.x, w[1] = v0.y, w[2] = v0.z, w[3] = v0.w;
+                w[4] = v1.x, w[5] = v1.y, w[6] = v1.z, w[7] = v1.w;
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < NW; i++)
+                w[i] = 0;
+        }
+        int pin = 0, key = RQ_KEY_MIN;
+        if (valid) {
+            const int64_t so = rq_scale_off(p.in_mode, p.in_layout, p.R, p.C, p.nbi, p.bi_shift, te * p.sin, r, c);
+            pin = rq_pin(p.in_e8 ? (uint32_t)((const uint8_t *)p.in_scale)[so] : ((const uint32_t *)p.in_scale)[so],
+                         p.in_e8);
+            key = lut[rq_max_mag<TI, NW>(w)] + pin;
+        }
+        if (p.bo == 128) {
+            key = rq_max(key, __shfl_xor_sync(0xFFFFFFFFu, key, 1));
+            key = rq_max(key, __shfl_xor_sync(0xFFFFFFFFu, key, 2));
+        }
+        if (!valid)
+            continue;
+        const int pv = rq_block_exp(key);
+        if (p.bo == 32 || (lane & 3) == 0)
+            rq_put_scale_rows(p, te, r, c, pv);
+
+        uint32_t o[TO == FM_DTYPE_E2M1 ? 4 : 8];
+        if (pv == RQ_BADP) {
+#pragma unroll
+            for (int i = 0; i < (TO == FM_DTYPE_E2M1 ? 4 : 8); i++)
+                o[i] = fm_nan_word<TO>();
+        } else {
+            const int d = pin - pv;
+            if (TO == FM_DTYPE_E2M1 && TI != FM_DTYPE_E2M1 && d >= -18 && d <= 21) {
+                const uint32_t hm = rq_h2_pow2(d - 6);
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    o[q] = rq_fp8_e2m1x8<TI>(w[2 * q], w[2 * q + 1], hm);
+            } else {
+                const float m = rq_mult(pin, pv);
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    const uint2 v = rq_encode_row<TI, TO>(&w[TI == FM_DTYPE_E2M1 ? q : 2 * q], m);
+                    if (TO == FM_DTYPE_E2M1) {
+                        o[q] = v.x;
+                    } else {
+                        o[2 * q] = v.x;
+                        o[2 * q + 1] = v.y;
+                    }
+                }
+            }
+        }
+        if (TO == FM_DTYPE_E2M1) {
+            __stcs((uint4 *)(p.out + el / 2), make_uint4(o[0], o[1], o[2], o[3]));
+        } else {
+            __stcs((uint4 *)(p.out + el), make_uint4(o[0], o[1], o[2], o[3]));
+            __stcs((uint4 *)(p.out + el + 16), make_uint4(o[4], o[5], o[6], o[7]));
+        }
+    }
+}
+
 /* ---- BLOCK_128x128: exact transpose of codes and scale grid ---------------- */
 
 __global__ void __launch_bounds__(RQTHREADS) rq_transpose_bytes_kernel(const rqparams p)
@@ -872,6 +1069,48 @@ static cudaError_t rq_group_table(const fm_splits *sp, const fm_tensor *out, int
     return cudaSuccess;
 }
 
+/* rq_rows_kernel's conditions: a conversion between row-block modes over
+ * whole 32-element segments (whole 1 x 128 blocks for a 1 x 128 output),
+ * 16-byte aligned buffers, a 31-bit segment count. */
+static int rq_rows_fit(const rqparams &p, int tr, int64_t E)
+{
+    if (tr || p.grp || (p.bi != 32 && p.bi != 128) || (p.bo != 32 && p.bo != 128))
+        return 0;
+    if (p.C % 32 || (p.bo == 128 && p.C % 128) || (uintptr_t)p.in % 16 || (uintptr_t)p.out % 16)
+        return 0;
+    const int64_t nseg = E * p.R * (p.C / 32);
+    return nseg < ((int64_t)1 << 31) && p.C / 32 < ((int64_t)1 << 31) && E * p.R < ((int64_t)1 << 31);
+}
+
+template <int TI>
+static cudaError_t rq_rows_launch1(const rqparams &q, int to, unsigned g, cudaStream_t s)
+{
+    if (to == FM_DTYPE_E4M3)
+        rq_rows_kernel<TI, FM_DTYPE_E4M3><<<g, RQS_THREADS, 0, s>>>(q);
+    else if (to == FM_DTYPE_E5M2)
+        rq_rows_kernel<TI, FM_DTYPE_E5M2><<<g, RQS_THREADS, 0, s>>>(q);
+    else
+        rq_rows_kernel<TI, FM_DTYPE_E2M1><<<g, RQS_THREADS, 0, s>>>(q);
+    return cudaGetLastError();
+}
+
+/* The segment count goes in ntiles, the divisions by segments a row and by
+ * rows an expert in ntc and ntr. */
+static cudaError_t rq_rows_launch(const rqparams &p, int64_t E, int ti, int to, int sms, cudaStream_t s)
+{
+    rqparams q = p;
+    const int64_t nseg = E * p.R * (p.C / 32);
+    q.ntiles = (uint32_t)nseg;
+    q.ntc = fm_fastdiv_make((uint32_t)(p.C / 32));
+    q.ntr = fm_fastdiv_make((uint32_t)p.R);
+    const unsigned g = rq_grid(fm_cdiv(nseg, RQS_THREADS), (int64_t)(sms > 0 ? sms : 1) * 8);
+    if (ti == FM_DTYPE_E4M3)
+        return rq_rows_launch1<FM_DTYPE_E4M3>(q, to, g, s);
+    if (ti == FM_DTYPE_E5M2)
+        return rq_rows_launch1<FM_DTYPE_E5M2>(q, to, g, s);
+    return rq_rows_launch1<FM_DTYPE_E2M1>(q, to, g, s);
+}
+
 /* fm_transpose_scaled and fm_convert_scaled (sp NULL), and
  * fm_transpose_scaled_grouped: one kernel, per-matrix geometry from rq_tile. */
 static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_splits *sp, const fm_tensor *in,
@@ -1052,7 +1291,10 @@ static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_
             goto out;
     }
 
-    if (p.ntiles) {
+    if (p.ntiles && rq_rows_fit(p, tr, E)) {
+        what = "row-wise conversion: kernel launch";
+        err = rq_rows_launch(p, E, in->dtype, out->dtype, sms, s);
+    } else if (p.ntiles) {
         what = "kernel launch";
         if (in->dtype == FM_DTYPE_E4M3)
             err = rq_launch1<FM_DTYPE_E4M3>(p, out->dtype, tr, sms, s);
