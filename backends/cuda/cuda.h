@@ -14,7 +14,11 @@ typedef struct fm_cuda_state {
     void *workspace;
     size_t workspace_bytes;
     void *gemm;            /* GEMM plan cache and side streams (gemm.cu), NULL until the first GEMM */
+    void *host_small;      /* FM_CUDA_HOST_SMALL bytes of pinned host memory: the small device-to-host
+                            * readbacks an op waits for (a copy to pageable memory takes a staging detour) */
 } fm_cuda_state;
+
+#define FM_CUDA_HOST_SMALL 256
 
 static inline fm_cuda_state *fm_cuda(fm_context *ctx) { return (fm_cuda_state *)ctx->be_state; }
 static inline cudaStream_t fm_cuda_stream(fm_context *ctx) { return (cudaStream_t)ctx->stream; }

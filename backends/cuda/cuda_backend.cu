@@ -107,6 +107,8 @@ static void cuda_destroy(fm_context *ctx)
     fm_cuda_gemm_destroy(s);
     if (s->workspace)
         cudaFree(s->workspace);
+    if (s->host_small)
+        cudaFreeHost(s->host_small);
     if (s->lt)
         cublasLtDestroy(s->lt);
     free(s);
@@ -211,6 +213,11 @@ fm_status fm_cuda_backend_init(fm_context *ctx, const fm_context_config *cfg)
     step = "cudaMalloc(workspace)";
     if ((err = cudaMalloc(&s->workspace, s->workspace_bytes)) != cudaSuccess)
         goto fail;
+    step = "cudaMallocHost(readback buffer)";
+    if ((err = cudaMallocHost(&s->host_small, FM_CUDA_HOST_SMALL)) != cudaSuccess) {
+        s->host_small = NULL;
+        goto fail;
+    }
     if (cublasLtCreate(&s->lt) != CUBLAS_STATUS_SUCCESS) {
         s->lt = NULL;
         cuda_destroy(ctx);

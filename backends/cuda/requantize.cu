@@ -772,11 +772,23 @@ FM_DI uint32_t rq_fp8_e2m1x8(uint32_t w0, uint32_t w1, uint32_t hm)
     return __byte_perm(x, y, 0x5410);
 }
 
+/* BI, BO: the input and output block widths when compiled in (both scale
+ * arrays compact, the E8M0 / F32 choice following from the mode), 0 when
+ * read from p. */
+#define RQS_BI_SHIFT (BI ? (BI == 128 ? 7 : 5) : p.bi_shift)
+#define RQS_IN_E8 (BI ? BI == 32 : p.in_e8)
+#define RQS_IN_LAYOUT (BI ? (int)FM_SCALE_LAYOUT_COMPACT : p.in_layout)
+#define RQS_BO (BO ? BO : p.bo)
+#define RQS_BO_SHIFT (BO ? (BO == 128 ? 7 : 5) : p.bo_shift)
+#define RQS_OUT_E8 (BO ? BO == 32 : p.out_e8)
+#define RQS_OUT_LAYOUT (BO ? (int)FM_SCALE_LAYOUT_COMPACT : p.out_layout)
+
+template <int BI, int BO>
 FM_DI void rq_put_scale_rows(const rqparams &p, int64_t te, int64_t r, int64_t c, int pv)
 {
-    const int64_t off = rq_scale_off(p.out_mode, p.out_layout, p.R, p.C, p.nbo, p.bo_shift, te * p.sout, r, c);
+    const int64_t off = rq_scale_off(p.out_mode, RQS_OUT_LAYOUT, p.R, p.C, p.nbo, RQS_BO_SHIFT, te * p.sout, r, c);
     const int bad = pv == RQ_BADP;
-    if (p.out_e8)
+    if (RQS_OUT_E8)
         ((uint8_t *)p.out_scale)[off] = bad ? (uint8_t)FM_E8M0_NAN : (uint8_t)(pv + 127);
     else
         ((float *)p.out_scale)[off] = bad ? fm_bits_f32(FM_F32_CANON_NAN) : fm_exp2i(pv);
@@ -784,93 +796,166 @@ FM_DI void rq_put_scale_rows(const rqparams &p, int64_t te, int64_t r, int64_t c
         atomicAdd(p.nonfinite, 1ull);
 }
 
-template <int TI, int TO>
-__global__ void __launch_bounds__(RQS_THREADS) rq_rows_kernel(const rqparams p)
+/* A segment's place, input scale bits and codes (zeros past the end),
+ * loaded one iteration ahead. */
+template <int NW>
+struct rqseg {
+    uint32_t w[NW];
+    uint32_t raw; /* input scale bits */
+    uint32_t te;  /* expert */
+    uint32_t r;   /* stored row in the expert */
+    uint32_t c;   /* first column */
+};
+
+template <int TI, int NW, int BI, int BO>
+FM_DI void rq_rows_load(const rqparams &p, uint32_t sg, rqseg<NW> &g)
 {
-    constexpr int NMAG = TI == FM_DTYPE_E2M1 ? 8 : 128;
-    constexpr int NW = TI == FM_DTYPE_E2M1 ? 4 : 8; /* input words a segment */
-    __shared__ int lut[NMAG];
-    for (int i = threadIdx.x; i < NMAG; i += RQS_THREADS)
-        lut[i] = rq_code_key<TI, TO>(i, p.rule);
-    __syncthreads();
+    if (sg >= p.ntiles) {
+#pragma unroll
+        for (int i = 0; i < NW; i++)
+            g.w[i] = 0;
+        g.raw = 0, g.te = 0, g.r = 0, g.c = 0;
+        return;
+    }
+    const uint32_t row = fm_fastdiv_div(p.ntc, sg); /* stored row over all experts */
+    g.te = fm_fastdiv_div(p.ntr, row);
+    g.r = row - g.te * p.ntr.d;
+    g.c = (sg - row * p.ntc.d) << 5;
+    const int64_t el = (int64_t)sg << 5; /* segments tile the rows: element index = 32 sg */
+    const int64_t so =
+        rq_scale_off(p.in_mode, RQS_IN_LAYOUT, p.R, p.C, p.nbi, RQS_BI_SHIFT, (int64_t)g.te * p.sin, g.r, g.c);
+    g.raw = RQS_IN_E8 ? (uint32_t)__ldg((const uint8_t *)p.in_scale + so) : __ldg((const uint32_t *)p.in_scale + so);
+    if (TI == FM_DTYPE_E2M1) {
+        const uint4 v = __ldcs((const uint4 *)(p.in + el / 2));
+        g.w[0] = v.x, g.w[1] = v.y, g.w[2] = v.z, g.w[3] = v.w;
+    } else {
+        const uint4 v0 = __ldcs((const uint4 *)(p.in + el)), v1 = __ldcs((const uint4 *)(p.in + el + 16));
+        g.w[0] = v0.x, g.w[1] = v0.y, g.w[2] = v0.z, g.w[3] = v0.w;
+        g.w[4] = v1.x, g.w[5] = v1.y, g.w[6] = v1.z, g.w[7] = v1.w;
+    }
+}
 
+/* Eight E2M1 codes (one word) as the E4M3 codes of the same values times
+ * 2^-6 (two words, byte i = element i): E2M1's sign, exponent and mantissa
+ * bits placed in E4M3's sign, low exponent and high mantissa bits, so that
+ * E2M1's subnormal 0.5 lands on E4M3's subnormal 2^-7. */
+FM_DI void rq_e2m1_as_e4m3(uint32_t w, uint32_t *lo, uint32_t *hi)
+{
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        uint32_t y = __byte_perm(w, 0u, h ? 0x4342u : 0x4140u); /* two nibble pairs, a byte apart */
+        y = (y | (y << 4)) & 0x0F0F0F0Fu;                       /* a nibble a byte */
+        const uint32_t e = ((y & 0x08080808u) << 4) | ((y & 0x07070707u) << 2);
+        if (h)
+            *hi = e;
+        else
+            *lo = e;
+    }
+}
+
+/* Every lane of the warp calls (the shuffles of a 1 x 128 output block).
+ * TI: the words' code dtype; X: the words are rq_e2m1_as_e4m3's of an E2M1
+ * input (TI = E4M3, the LUT indexed by those bytes, 2^6 more in the
+ * multiplier: the same products, as rq_mult's clamps are far outside the
+ * shifts an E2M1 value can take and keep a code). */
+template <int TI, int TO, int NW, bool X, int NWS, int BI, int BO>
+FM_DI void rq_rows_segment(const rqparams &p, const int *lut, uint32_t sg, const rqseg<NWS> &g,
+                           const uint32_t (&w)[NW])
+{
     const int lane = threadIdx.x & 31;
-    const uint32_t spr = (uint32_t)(p.C >> 5); /* segments a stored row */
-    const uint32_t nseg = p.ntiles;
-    const uint32_t wstride = gridDim.x * RQS_THREADS;
-    /* Warp-uniform trip count: the lanes of a 1 x 128 output block reduce by shuffles. */
-    for (uint32_t base = blockIdx.x * RQS_THREADS + (threadIdx.x & ~31u); base < nseg; base += wstride) {
-        const uint32_t sg = base + lane;
-        const bool valid = sg < nseg;
-        const uint32_t row = valid ? fm_fastdiv_div(p.ntc, sg) : 0; /* stored row over all experts */
-        const uint32_t te = fm_fastdiv_div(p.ntr, row);
-        const int64_t r = row - te * p.ntr.d, c = (int64_t)(sg - row * spr) << 5;
-        const int64_t el = (int64_t)row * p.C + c; /* element index */
+    const bool valid = sg < p.ntiles;
+    const uint32_t te = g.te, r = g.r, c = g.c;
+    const int64_t el = (int64_t)sg << 5;
+    int pin = 0, key = RQ_KEY_MIN;
+    if (valid) {
+        pin = rq_pin(g.raw, RQS_IN_E8);
+        key = lut[rq_max_mag<TI, NW>(w)] + pin;
+    }
+    if (RQS_BO == 128) {
+        key = rq_max(key, __shfl_xor_sync(0xFFFFFFFFu, key, 1));
+        key = rq_max(key, __shfl_xor_sync(0xFFFFFFFFu, key, 2));
+    }
+    if (!valid)
+        return;
+    const int pv = rq_block_exp(key);
+    if (RQS_BO == 32 || (lane & 3) == 0)
+        rq_put_scale_rows<BI, BO>(p, te, r, c, pv);
 
-        uint32_t w[NW];
-        if (valid) {
-            if (TI == FM_DTYPE_E2M1) {
-                const uint4 v = __ldcs((const uint4 *)(p.in + el / 2));
-                w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
-            } else {
-                const uint4 v0 = __ldcs((const uint4 *)(p.in + el)), v1 = __ldcs((const uint4 *)(p.in + el + 16));
-                w[0] = v0.x, w[1] = v0.y, w[2] = v0.z, w[3] = v0.w;
-                w[4] = v1.x, w[5] = v1.y, w[6] = v1.z, w[7] = v1.w;
-            }
+    uint32_t o[TO == FM_DTYPE_E2M1 ? 4 : 8];
+    if (pv == RQ_BADP) {
+#pragma unroll
+        for (int i = 0; i < (TO == FM_DTYPE_E2M1 ? 4 : 8); i++)
+            o[i] = fm_nan_word<TO>();
+    } else {
+        const int d = pin - pv;
+        if (TO == FM_DTYPE_E2M1 && TI != FM_DTYPE_E2M1 && d >= -18 && d <= 21) {
+            const uint32_t hm = rq_h2_pow2(d - 6);
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+                o[q] = rq_fp8_e2m1x8<TI>(w[2 * q], w[2 * q + 1], hm);
         } else {
+            const float m = rq_mult(X ? pin + 6 : pin, pv);
 #pragma unroll
-            for (int i = 0; i < NW; i++)
-                w[i] = 0;
-        }
-        int pin = 0, key = RQ_KEY_MIN;
-        if (valid) {
-            const int64_t so = rq_scale_off(p.in_mode, p.in_layout, p.R, p.C, p.nbi, p.bi_shift, te * p.sin, r, c);
-            pin = rq_pin(p.in_e8 ? (uint32_t)((const uint8_t *)p.in_scale)[so] : ((const uint32_t *)p.in_scale)[so],
-                         p.in_e8);
-            key = lut[rq_max_mag<TI, NW>(w)] + pin;
-        }
-        if (p.bo == 128) {
-            key = rq_max(key, __shfl_xor_sync(0xFFFFFFFFu, key, 1));
-            key = rq_max(key, __shfl_xor_sync(0xFFFFFFFFu, key, 2));
-        }
-        if (!valid)
-            continue;
-        const int pv = rq_block_exp(key);
-        if (p.bo == 32 || (lane & 3) == 0)
-            rq_put_scale_rows(p, te, r, c, pv);
-
-        uint32_t o[TO == FM_DTYPE_E2M1 ? 4 : 8];
-        if (pv == RQ_BADP) {
-#pragma unroll
-            for (int i = 0; i < (TO == FM_DTYPE_E2M1 ? 4 : 8); i++)
-                o[i] = fm_nan_word<TO>();
-        } else {
-            const int d = pin - pv;
-            if (TO == FM_DTYPE_E2M1 && TI != FM_DTYPE_E2M1 && d >= -18 && d <= 21) {
-                const uint32_t hm = rq_h2_pow2(d - 6);
-#pragma unroll
-                for (int q = 0; q < 4; q++)
-                    o[q] = rq_fp8_e2m1x8<TI>(w[2 * q], w[2 * q + 1], hm);
-            } else {
-                const float m = rq_mult(pin, pv);
-#pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    const uint2 v = rq_encode_row<TI, TO>(&w[TI == FM_DTYPE_E2M1 ? q : 2 * q], m);
-                    if (TO == FM_DTYPE_E2M1) {
-                        o[q] = v.x;
-                    } else {
-                        o[2 * q] = v.x;
-                        o[2 * q + 1] = v.y;
-                    }
+            for (int q = 0; q < 4; q++) {
+                const uint2 v = rq_encode_row<TI, TO>(&w[TI == FM_DTYPE_E2M1 ? q : 2 * q], m);
+                if (TO == FM_DTYPE_E2M1) {
+                    o[q] = v.x;
+                } else {
+                    o[2 * q] = v.x;
+                    o[2 * q + 1] = v.y;
                 }
             }
         }
-        if (TO == FM_DTYPE_E2M1) {
-            __stcs((uint4 *)(p.out + el / 2), make_uint4(o[0], o[1], o[2], o[3]));
+    }
+    if (TO == FM_DTYPE_E2M1) {
+        __stcs((uint4 *)(p.out + el / 2), make_uint4(o[0], o[1], o[2], o[3]));
+    } else {
+        __stcs((uint4 *)(p.out + el), make_uint4(o[0], o[1], o[2], o[3]));
+        __stcs((uint4 *)(p.out + el + 16), make_uint4(o[4], o[5], o[6], o[7]));
+    }
+}
+
+/* A grid-stride loop over warps of 32 segments whose next codes are loaded
+ * before the current ones are converted (two segments' loads in flight a
+ * thread). */
+template <int TI, int TO, int BI, int BO>
+__global__ void __launch_bounds__(RQS_THREADS) rq_rows_kernel(const rqparams p)
+{
+    constexpr bool X = TI == FM_DTYPE_E2M1 && TO != FM_DTYPE_E2M1; /* decoded as E4M3 (rq_e2m1_as_e4m3) */
+    constexpr int TC = X ? FM_DTYPE_E4M3 : TI;                      /* the codes rq_rows_segment sees */
+    constexpr int NMAG = TC == FM_DTYPE_E2M1 ? 8 : 128;
+    constexpr int NW = TI == FM_DTYPE_E2M1 ? 4 : 8; /* input words a segment */
+    __shared__ int lut[NMAG];
+    for (int i = threadIdx.x; i < NMAG; i += RQS_THREADS)
+        lut[i] = X ? rq_code_key<TI, TO>((i >> 2) & 7, p.rule) : rq_code_key<TI, TO>(i, p.rule);
+    __syncthreads();
+
+    const uint32_t lane = threadIdx.x & 31;
+    const uint32_t wstride = gridDim.x * RQS_THREADS;
+    uint32_t base = blockIdx.x * RQS_THREADS + (threadIdx.x & ~31u);
+    if (base >= p.ntiles)
+        return;
+    rqseg<NW> g, gn;
+    rq_rows_load<TI, NW, BI, BO>(p, base + lane, g);
+    /* Warp-uniform trip count: the lanes of a 1 x 128 output block reduce by shuffles. */
+    for (;;) {
+        const uint32_t nb = base + wstride;
+        const bool more = nb < p.ntiles && nb > base;
+        if (more)
+            rq_rows_load<TI, NW, BI, BO>(p, nb + lane, gn);
+        if (X) {
+            uint32_t e[8];
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                rq_e2m1_as_e4m3(g.w[i], &e[2 * i], &e[2 * i + 1]);
+            rq_rows_segment<TC, TO, 8, X, NW, BI, BO>(p, lut, base + lane, g, e);
         } else {
-            __stcs((uint4 *)(p.out + el), make_uint4(o[0], o[1], o[2], o[3]));
-            __stcs((uint4 *)(p.out + el + 16), make_uint4(o[4], o[5], o[6], o[7]));
+            rq_rows_segment<TC, TO, NW, X, NW, BI, BO>(p, lut, base + lane, g, g.w);
         }
+        if (!more)
+            break;
+        base = nb;
+        g = gn;
     }
 }
 
@@ -950,6 +1035,7 @@ typedef struct rqcheck {
     uint32_t bits;                /* its scale */
     uint32_t done;                /* CTAs finished */
 } rqcheck;
+static_assert(sizeof(rqcheck) <= FM_CUDA_HOST_SMALL, "the check's verdict is read back into host_small");
 
 FM_DI int64_t rq_check_off(const rqparams &p, int64_t i)
 {
@@ -1071,7 +1157,7 @@ static cudaError_t rq_group_table(const fm_splits *sp, const fm_tensor *out, int
 
 /* rq_rows_kernel's conditions: a conversion between row-block modes over
  * whole 32-element segments (whole 1 x 128 blocks for a 1 x 128 output),
- * 16-byte aligned buffers, a 31-bit segment count. */
+ * 16-byte aligned buffers, 31-bit segment, column and row counts. */
 static int rq_rows_fit(const rqparams &p, int tr, int64_t E)
 {
     if (tr || p.grp || (p.bi != 32 && p.bi != 128) || (p.bo != 32 && p.bo != 128))
@@ -1079,19 +1165,50 @@ static int rq_rows_fit(const rqparams &p, int tr, int64_t E)
     if (p.C % 32 || (p.bo == 128 && p.C % 128) || (uintptr_t)p.in % 16 || (uintptr_t)p.out % 16)
         return 0;
     const int64_t nseg = E * p.R * (p.C / 32);
-    return nseg < ((int64_t)1 << 31) && p.C / 32 < ((int64_t)1 << 31) && E * p.R < ((int64_t)1 << 31);
+    return nseg < ((int64_t)1 << 31) && p.C < ((int64_t)1 << 31) && E * p.R < ((int64_t)1 << 31);
+}
+
+/* As many CTAs as fit at once: a CTA started late would end late. */
+template <int TI, int TO, int BI, int BO>
+static cudaError_t rq_rows_launch3(const rqparams &q, int64_t nseg, int sms, cudaStream_t s)
+{
+    static int cached = 0; /* CTAs an SM: the same on every sm_90 part, asked once (a relaxed race is benign) */
+    int per = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (!per) {
+        cudaError_t err =
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, rq_rows_kernel<TI, TO, BI, BO>, RQS_THREADS, 0);
+        if (err != cudaSuccess)
+            return err;
+        __atomic_store_n(&cached, per, __ATOMIC_RELAXED);
+    }
+    const unsigned g = rq_grid(fm_cdiv(nseg, RQS_THREADS), (int64_t)(per > 0 ? per : 1) * (sms > 0 ? sms : 1));
+    rq_rows_kernel<TI, TO, BI, BO><<<g, RQS_THREADS, 0, s>>>(q);
+    return cudaGetLastError();
+}
+
+/* Compact scale arrays on both sides (what the recipes use) get the block
+ * widths compiled in; E2M1 blocks are MX32 on either side. */
+template <int TI, int TO>
+static cudaError_t rq_rows_launch2(const rqparams &q, int64_t nseg, int sms, cudaStream_t s)
+{
+    if (q.in_layout != FM_SCALE_LAYOUT_COMPACT || q.out_layout != FM_SCALE_LAYOUT_COMPACT)
+        return rq_rows_launch3<TI, TO, 0, 0>(q, nseg, sms, s);
+    constexpr int BI2 = TI == FM_DTYPE_E2M1 ? 32 : 128, BO2 = TO == FM_DTYPE_E2M1 ? 32 : 128;
+    if (q.bi == 32)
+        return q.bo == 32 ? rq_rows_launch3<TI, TO, 32, 32>(q, nseg, sms, s)
+                          : rq_rows_launch3<TI, TO, 32, BO2>(q, nseg, sms, s);
+    return q.bo == 32 ? rq_rows_launch3<TI, TO, BI2, 32>(q, nseg, sms, s)
+                      : rq_rows_launch3<TI, TO, BI2, BO2>(q, nseg, sms, s);
 }
 
 template <int TI>
-static cudaError_t rq_rows_launch1(const rqparams &q, int to, unsigned g, cudaStream_t s)
+static cudaError_t rq_rows_launch1(const rqparams &q, int to, int64_t nseg, int sms, cudaStream_t s)
 {
     if (to == FM_DTYPE_E4M3)
-        rq_rows_kernel<TI, FM_DTYPE_E4M3><<<g, RQS_THREADS, 0, s>>>(q);
-    else if (to == FM_DTYPE_E5M2)
-        rq_rows_kernel<TI, FM_DTYPE_E5M2><<<g, RQS_THREADS, 0, s>>>(q);
-    else
-        rq_rows_kernel<TI, FM_DTYPE_E2M1><<<g, RQS_THREADS, 0, s>>>(q);
-    return cudaGetLastError();
+        return rq_rows_launch2<TI, FM_DTYPE_E4M3>(q, nseg, sms, s);
+    if (to == FM_DTYPE_E5M2)
+        return rq_rows_launch2<TI, FM_DTYPE_E5M2>(q, nseg, sms, s);
+    return rq_rows_launch2<TI, FM_DTYPE_E2M1>(q, nseg, sms, s);
 }
 
 /* The segment count goes in ntiles, the divisions by segments a row and by
@@ -1103,12 +1220,11 @@ static cudaError_t rq_rows_launch(const rqparams &p, int64_t E, int ti, int to, 
     q.ntiles = (uint32_t)nseg;
     q.ntc = fm_fastdiv_make((uint32_t)(p.C / 32));
     q.ntr = fm_fastdiv_make((uint32_t)p.R);
-    const unsigned g = rq_grid(fm_cdiv(nseg, RQS_THREADS), (int64_t)(sms > 0 ? sms : 1) * 8);
     if (ti == FM_DTYPE_E4M3)
-        return rq_rows_launch1<FM_DTYPE_E4M3>(q, to, g, s);
+        return rq_rows_launch1<FM_DTYPE_E4M3>(q, to, nseg, sms, s);
     if (ti == FM_DTYPE_E5M2)
-        return rq_rows_launch1<FM_DTYPE_E5M2>(q, to, g, s);
-    return rq_rows_launch1<FM_DTYPE_E2M1>(q, to, g, s);
+        return rq_rows_launch1<FM_DTYPE_E5M2>(q, to, nseg, sms, s);
+    return rq_rows_launch1<FM_DTYPE_E2M1>(q, to, nseg, sms, s);
 }
 
 /* fm_transpose_scaled and fm_convert_scaled (sp NULL), and
@@ -1216,7 +1332,7 @@ static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_
 
     /* Every input F32 scale is checked before anything is written. */
     if (check) {
-        rqcheck h;
+        rqcheck &h = *(rqcheck *)fm_cuda(ctx)->host_small; /* pinned: the copy goes straight there */
         what = "cudaMemsetAsync(check)";
         if ((err = cudaMemsetAsync(buf, 0, sizeof(rqcheck), s)) != cudaSuccess)
             goto out;
