@@ -1961,6 +1961,182 @@ static void xv_moe_swiglu_backward(xv_env *x, xv_counts *cnt)
                     }
 }
 
+/* ---- op: moe_layer -------------------------------------------------------------
+ * One layer step (create, weight refresh, forward, backward) per recipe on
+ * both backends from the same F32 weights and data: y, dx and the three
+ * accumulated weight gradients within a relative Frobenius error: 5e-3 for
+ * bf16 (the GEMM tolerance); the FP8 recipes re-quantize GEMM outputs, where
+ * a last-bit GEMM difference moves a value to the neighbouring code (an
+ * E4M3 step is 1/16 to 1/8 of the value, an E2M1 step up to 1/3), so 3e-2,
+ * and 4e-2 for fp8-flow-fp4: 144 cases over three seeds (S8-14) reached
+ * 0.018 and 0.021 with the bounds of test_cuda_layer_matches_cpu's one
+ * shape (1.5e-2); a real fault (a wrong expert, a lost scale) errs by
+ * O(1). The gradients start non-zero: backward
+ * accumulates. Shapes: odd token counts, k = 1 and k = E, each router
+ * scoring, renormalised or not, explicit padding multiples (32 for bf16,
+ * 128 for FP8) as well as the recipe default. Kinds: random; every third
+ * token zero (its logits all tie: the lower expert ids win on both); one
+ * NaN element in one token. Elements non-finite on either side must be
+ * non-finite alike on both (NaN, +Inf, -Inf); the error is taken over the
+ * rest. (Token magnitudes spread over 2^+-12 were tried and dropped: a
+ * code flip in the largest token outweighs the bound, which is written for
+ * data of one scale; they showed both backends making the same NaN row
+ * when sigmoid renormalisation divides 0 by 0, RELIABILITY.md's open
+ * router question.) */
+
+#include "../tests/layer_step.h"
+
+typedef struct ly_shape {
+    int64_t T, H, I, E;
+    int k, pad;
+    fm_router_score score;
+    int renorm;
+} ly_shape;
+
+static const ly_shape ly_shapes[] = {
+    {7, 128, 128, 2, 1, 0, FM_ROUTER_SOFTMAX, 0},   {300, 256, 128, 4, 2, 0, FM_ROUTER_SOFTMAX, 1},
+    {130, 384, 256, 8, 8, 32, FM_ROUTER_SIGMOID, 1}, {257, 256, 384, 16, 4, 0, FM_ROUTER_SIGMOID, 0},
+};
+#define LY_NSHAPES (int)(sizeof ly_shapes / sizeof ly_shapes[0])
+enum { LY_RANDOM, LY_ZEROS, LY_NAN, LY_KINDS };
+static const char *ly_kind_name[LY_KINDS] = {"random", "zero-tokens", "nan-token"};
+
+static double ly_normal(xv_env *x)
+{
+    double u = rndu(x), v = rndu(x);
+    return sqrt(-2.0 * log(u > 0 ? u : 1e-300)) * cos(6.283185307179586 * v);
+}
+
+/* Over the elements finite on both sides; *nonfin counts the elements whose
+ * class (finite, NaN, +Inf, -Inf) differs between the two. */
+static double ly_rel_frob(const float *g, const float *c, int64_t n, int64_t *nonfin)
+{
+    double num = 0, den = 0;
+    *nonfin = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int fg = isfinite(g[i]), fc = isfinite(c[i]);
+        if (!fg || !fc) {
+            const int same = !fg && !fc && (isnan(g[i]) ? isnan(c[i]) : !isnan(c[i]) && g[i] == c[i]);
+            *nonfin += !same;
+            continue;
+        }
+        const double d = (double)g[i] - c[i];
+        num += d * d;
+        den += (double)c[i] * c[i];
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+enum { LY_WR, LY_W1, LY_W2, LY_GR, LY_G1, LY_G2, LY_X, LY_Y, LY_DY, LY_DX, LY_NB };
+
+/* 0 pass, 1 fail. */
+static int ly_case(xv_env *x, const ly_shape *s, fm_recipe rc, int kind, const char *name)
+{
+    const int64_t T = s->T, H = s->H, I = s->I, E = s->E;
+    const int64_t n[LY_NB] = {E * H, E * 2 * I * H, E * H * I, E * H, E * 2 * I * H, E * H * I,
+                              T * H, T * H, T * H, T * H};
+    const double sc[LY_NB] = {0.0625, 0.0625, 0.088, 0.01, 0.01, 0.01, 1, 0, 1, 0};
+    float *h[LY_NB] = {0}, *d[LY_NB] = {0};
+    int res = 1;
+    for (int i = 0; i < LY_NB; i++) {
+        if (!(h[i] = malloc((size_t)n[i] * 4)))
+            goto done;
+        for (int64_t j = 0; j < n[i]; j++)
+            h[i][j] = (float)(ly_normal(x) * sc[i]);
+    }
+    for (int64_t t = 0; kind == LY_ZEROS && t < T; t += 3)
+        memset(h[LY_X] + t * H, 0, (size_t)H * 4);
+    if (kind == LY_NAN)
+        h[LY_X][rndi(x, 0, (int)(T * H - 1))] = f32_from_bits(0x7FC00000u);
+    for (int i = 0; i < LY_NB; i++) {
+        if (!cuda_ok(x, cudaMalloc((void **)&d[i], (size_t)n[i] * 4), "cudaMalloc") ||
+            !cuda_ok(x, cudaMemcpy(d[i], h[i], (size_t)n[i] * 4, cudaMemcpyHostToDevice), "cudaMemcpy H2D"))
+            goto done;
+    }
+    if (!cuda_ok(x, cudaMemset(d[LY_Y], 0xA5, (size_t)n[LY_Y] * 4), "poison") ||
+        !cuda_ok(x, cudaMemset(d[LY_DX], 0xA5, (size_t)n[LY_DX] * 4), "poison"))
+        goto done;
+    for (int64_t j = 0; j < n[LY_Y]; j++)
+        h[LY_Y][j] = h[LY_DX][j] = f32_from_bits(0xA5A5A5A5u);
+    /* FP8 recipes pad to 128 rows (the GEMM scale blocks); s->pad is for bf16 */
+    const int pad = rc == FM_RECIPE_BF16 ? s->pad : s->pad ? 128 : 0;
+    fm_moe_layer_config cfg = {.hidden = H, .ffn = I, .experts = E, .topk = s->k, .pad_multiple = pad,
+                               .score = s->score, .renormalize = s->renorm, .recipe = rc, .max_tokens = T};
+    fm_moe_weights wc = {h[LY_WR], h[LY_W1], h[LY_W2], h[LY_GR], h[LY_G1], h[LY_G2]};
+    fm_moe_weights wg = {d[LY_WR], d[LY_W1], d[LY_W2], d[LY_GR], d[LY_G1], d[LY_G2]};
+    fm_tensor xc = fm_tensor_2d(h[LY_X], FM_DTYPE_F32, T, H), yc = fm_tensor_2d(h[LY_Y], FM_DTYPE_F32, T, H);
+    fm_tensor dyc = fm_tensor_2d(h[LY_DY], FM_DTYPE_F32, T, H), dxc = fm_tensor_2d(h[LY_DX], FM_DTYPE_F32, T, H);
+    fm_tensor xg = fm_tensor_2d(d[LY_X], FM_DTYPE_F32, T, H), yg = fm_tensor_2d(d[LY_Y], FM_DTYPE_F32, T, H);
+    fm_tensor dyg = fm_tensor_2d(d[LY_DY], FM_DTYPE_F32, T, H), dxg = fm_tensor_2d(d[LY_DX], FM_DTYPE_F32, T, H);
+    xg.device = yg.device = dyg.device = dxg.device = FM_DEVICE_CUDA;
+    fm_status stc = layer_step(x->cpu, &cfg, &wc, &xc, &yc, &dyc, &dxc, NULL);
+    char cmsg[768];
+    snprintf(cmsg, sizeof cmsg, "%s", fm_last_error(x->cpu));
+    fm_status stg = layer_step(x->gpu, &cfg, &wg, &xg, &yg, &dyg, &dxg, NULL);
+    res = status_verdict(x, name, stc, cmsg, stg);
+    if (res == 2) { /* refused alike; every config here is valid */
+        if (x->printed++ < 20)
+            fprintf(stderr, "FAIL %s: both backends refused: %s\n", name, cmsg);
+        res = 1;
+    }
+    if (res >= 0)
+        goto done;
+    res = 0;
+    static const int outs[] = {LY_Y, LY_DX, LY_GR, LY_G1, LY_G2};
+    static const char *on[] = {"y", "dx", "grad_router", "grad_w1", "grad_w2"};
+    const double tol = rc == FM_RECIPE_BF16 ? 5e-3 : rc == FM_RECIPE_FP8_FLOW_FP4 ? 4e-2 : 3e-2;
+    for (int o = 0; o < 5; o++) {
+        const int i = outs[o];
+        float *g = malloc((size_t)n[i] * 4);
+        if (!g || !cuda_ok(x, cudaMemcpy(g, d[i], (size_t)n[i] * 4, cudaMemcpyDeviceToHost), "cudaMemcpy D2H")) {
+            free(g);
+            res = 1;
+            break;
+        }
+        int64_t nf = 0, nfc = 0;
+        const double e = ly_rel_frob(g, h[i], n[i], &nf);
+        for (int64_t j = 0; j < n[i]; j++)
+            nfc += !isfinite(h[i][j]);
+        if (x->verbose)
+            printf("  %s %s: rel. Frobenius error %.2e (bound %.0e), %lld non-finite on the CPU, %lld differ in "
+                   "class\n", name, on[o], e, tol, (long long)nfc, (long long)nf);
+        if (!(e <= tol) || nf) {
+            res = 1;
+            if (x->printed++ < 20)
+                fprintf(stderr, "FAIL %s: %s rel. Frobenius error %.3g (bound %.3g), %lld elements finite on one "
+                        "side only or non-finite differently\n", name, on[o], e, tol, (long long)nf);
+        }
+        free(g);
+    }
+done:
+    for (int i = 0; i < LY_NB; i++) {
+        free(h[i]);
+        if (d[i])
+            cudaFree(d[i]);
+    }
+    return res;
+}
+
+static void xv_moe_layer(xv_env *x, xv_counts *cnt)
+{
+    long serial = 0;
+    for (int si = 0; si < LY_NSHAPES && !x->cuda_broken; si++)
+        for (int rc = 0; rc < FM_RECIPE_COUNT && !x->cuda_broken; rc++)
+            for (int kind = 0; kind < LY_KINDS && !x->cuda_broken; kind++) {
+                serial++;
+                if (x->quick && (serial + kind) % 3)
+                    continue;
+                const ly_shape *s = &ly_shapes[si];
+                char name[256];
+                snprintf(name, sizeof name, "moe_layer T%lld H%lld I%lld E%lld k%d pad %s %s%s %s %s",
+                         (long long)s->T, (long long)s->H, (long long)s->I, (long long)s->E, s->k,
+                         s->pad ? "explicit" : "default",
+                         s->score == FM_ROUTER_SIGMOID ? "sigmoid" : "softmax", s->renorm ? " renorm" : "",
+                         fm_recipe_name((fm_recipe)rc), ly_kind_name[kind]);
+                tally(x, cnt, ly_case(x, s, (fm_recipe)rc, kind, name), name);
+            }
+}
+
 /* ---- the op table: a later op registers here ------------------------------- */
 
 typedef void (*xv_op_fn)(xv_env *x, xv_counts *c);
@@ -1985,6 +2161,7 @@ static const struct {
     {"moe_unpermute_backward", xv_moe_unpermute_backward},
     {"moe_swiglu", xv_moe_swiglu},
     {"moe_swiglu_backward", xv_moe_swiglu_backward},
+    {"moe_layer", xv_moe_layer},
 };
 #define NOPS (int)(sizeof xv_ops / sizeof xv_ops[0])
 
