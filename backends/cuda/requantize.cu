@@ -1112,16 +1112,6 @@ static cudaError_t rq_launch2(const rqparams &p, int tr, int sms, cudaStream_t s
     return tr ? rq_launch3<TI, TO, 1, false>(p, sms, s) : rq_launch3<TI, TO, 0, false>(p, sms, s);
 }
 
-template <int TI>
-static cudaError_t rq_launch1(const rqparams &p, int to, int tr, int sms, cudaStream_t s)
-{
-    if (to == FM_DTYPE_E4M3)
-        return rq_launch2<TI, FM_DTYPE_E4M3>(p, tr, sms, s);
-    if (to == FM_DTYPE_E5M2)
-        return rq_launch2<TI, FM_DTYPE_E5M2>(p, tr, sms, s);
-    return rq_launch2<TI, FM_DTYPE_E2M1>(p, tr, sms, s);
-}
-
 static unsigned rq_grid(int64_t items, int64_t cap)
 {
     int64_t g = items < cap ? items : cap;
@@ -1201,18 +1191,36 @@ static cudaError_t rq_rows_launch2(const rqparams &q, int64_t nseg, int sms, cud
                       : rq_rows_launch3<TI, TO, BI2, BO2>(q, nseg, sms, s);
 }
 
-template <int TI>
-static cudaError_t rq_rows_launch1(const rqparams &q, int to, int64_t nseg, int sms, cudaStream_t s)
+/* The launch for the run-time element dtypes: the row-segment kernel (rows,
+ * with the segment count) or the tile kernel. */
+template <int TI, int TO>
+static cudaError_t rq_launch_pair(const rqparams &p, int rows, int64_t nseg, int tr, int sms, cudaStream_t s)
 {
-    if (to == FM_DTYPE_E4M3)
-        return rq_rows_launch2<TI, FM_DTYPE_E4M3>(q, nseg, sms, s);
-    if (to == FM_DTYPE_E5M2)
-        return rq_rows_launch2<TI, FM_DTYPE_E5M2>(q, nseg, sms, s);
-    return rq_rows_launch2<TI, FM_DTYPE_E2M1>(q, nseg, sms, s);
+    return rows ? rq_rows_launch2<TI, TO>(p, nseg, sms, s) : rq_launch2<TI, TO>(p, tr, sms, s);
 }
 
-/* The segment count goes in ntiles, the divisions by segments a row and by
- * rows an expert in ntc and ntr. */
+template <int TI>
+static cudaError_t rq_launch1(const rqparams &p, int to, int rows, int64_t nseg, int tr, int sms, cudaStream_t s)
+{
+    if (to == FM_DTYPE_E4M3)
+        return rq_launch_pair<TI, FM_DTYPE_E4M3>(p, rows, nseg, tr, sms, s);
+    if (to == FM_DTYPE_E5M2)
+        return rq_launch_pair<TI, FM_DTYPE_E5M2>(p, rows, nseg, tr, sms, s);
+    return rq_launch_pair<TI, FM_DTYPE_E2M1>(p, rows, nseg, tr, sms, s);
+}
+
+static cudaError_t rq_launch(const rqparams &p, int ti, int to, int rows, int64_t nseg, int tr, int sms,
+                             cudaStream_t s)
+{
+    if (ti == FM_DTYPE_E4M3)
+        return rq_launch1<FM_DTYPE_E4M3>(p, to, rows, nseg, tr, sms, s);
+    if (ti == FM_DTYPE_E5M2)
+        return rq_launch1<FM_DTYPE_E5M2>(p, to, rows, nseg, tr, sms, s);
+    return rq_launch1<FM_DTYPE_E2M1>(p, to, rows, nseg, tr, sms, s);
+}
+
+/* The row-segment kernel: the segment count goes in ntiles, the divisions
+ * by segments a row and by rows an expert in ntc and ntr. */
 static cudaError_t rq_rows_launch(const rqparams &p, int64_t E, int ti, int to, int sms, cudaStream_t s)
 {
     rqparams q = p;
@@ -1220,11 +1228,7 @@ static cudaError_t rq_rows_launch(const rqparams &p, int64_t E, int ti, int to, 
     q.ntiles = (uint32_t)nseg;
     q.ntc = fm_fastdiv_make((uint32_t)(p.C / 32));
     q.ntr = fm_fastdiv_make((uint32_t)p.R);
-    if (ti == FM_DTYPE_E4M3)
-        return rq_rows_launch1<FM_DTYPE_E4M3>(q, to, nseg, sms, s);
-    if (ti == FM_DTYPE_E5M2)
-        return rq_rows_launch1<FM_DTYPE_E5M2>(q, to, nseg, sms, s);
-    return rq_rows_launch1<FM_DTYPE_E2M1>(q, to, nseg, sms, s);
+    return rq_launch(q, ti, to, 1, nseg, 0, sms, s);
 }
 
 /* fm_transpose_scaled and fm_convert_scaled (sp NULL), and
@@ -1412,12 +1416,7 @@ static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_
         err = rq_rows_launch(p, E, in->dtype, out->dtype, sms, s);
     } else if (p.ntiles) {
         what = "kernel launch";
-        if (in->dtype == FM_DTYPE_E4M3)
-            err = rq_launch1<FM_DTYPE_E4M3>(p, out->dtype, tr, sms, s);
-        else if (in->dtype == FM_DTYPE_E5M2)
-            err = rq_launch1<FM_DTYPE_E5M2>(p, out->dtype, tr, sms, s);
-        else
-            err = rq_launch1<FM_DTYPE_E2M1>(p, out->dtype, tr, sms, s);
+        err = rq_launch(p, in->dtype, out->dtype, 0, 0, tr, sms, s);
     }
 out:
     if (owned) {
