@@ -436,6 +436,15 @@ fm_status fm_moe_layer_create(fm_context *ctx, const fm_moe_layer_config *cfg, f
         free(L);
         return st;
     }
+    /* Zeroed once, at creation: compute-sanitizer's initcheck does not see
+     * cuBLASLt's (TMA) stores, so the layer's own kernels reading a GEMM
+     * output would be reported; after this memset they are not. Nothing in
+     * a step relies on the zeros: test_cuda_layer_matches_cpu and the layer
+     * determinism tests compare every output. */
+    if ((st = fm_context_memset(ctx, L->mem, 0, (size_t)L->mem_bytes))) {
+        fm_moe_layer_destroy(L);
+        return st;
+    }
     p = (planner){L->mem, 0};
     plan(L, &p);
     /* The all-ones column that turns fm_moe_unpermute_backward into the
