@@ -302,33 +302,59 @@ static fm_status lt_matmul(fm_context *ctx, const lt_op *a, const lt_op *b, int6
 
 /* ---- scale repacking ----------------------------------------------------- */
 
-/* dst = the GEMM-layout scales of the stored [R, C] matrix whose entries are
- * found in src (layout sl over an sR x sC matrix) at stored row r0 + r.
- * Padding entries get 1. */
-__global__ void repack_scales(const float *src, fm_scale_mode mode, fm_scale_layout sl, int64_t sR, int64_t sC,
-                              int64_t r0, float *dst, int64_t R, int64_t C, int64_t n)
+/* Scale repacks, batched: a grouped GEMM repacks each expert's scales (its
+ * slice of a GEMM-layout array is not a standalone array), and a launch per
+ * expert and operand was 2E small launches a GEMM (128 a layer step at E 8).
+ * One job: dst = the GEMM-layout scales of the stored [R, C] matrix whose
+ * entries are found in src (layout sl over an sR x sC matrix) at stored row
+ * r0 + r; padding entries get 1. A batch of up to REPACK_BATCH jobs with the
+ * same mode and layout goes to the device in the launch's parameters. */
+#define REPACK_BATCH 32
+
+typedef struct repack_job {
+    const float *src;
+    float *dst;
+    int64_t sR, sC, r0, R, C;
+    int64_t n0; /* the job's first index in the batch */
+} repack_job;
+
+typedef struct repack_batch {
+    repack_job j[REPACK_BATCH];
+    int count;
+    int mode, sl;
+    int64_t total; /* entries over the batch */
+} repack_batch;
+
+__global__ void repack_scales(const repack_batch b)
 {
-    int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n)
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= b.total)
         return;
+    int q = 0; /* the last job starting at or before i */
+    for (int t = 1; t < b.count; t++)
+        q = b.j[t].n0 <= i ? t : q;
+    const repack_job &jb = b.j[q];
+    const int64_t k = i - jb.n0, R = jb.R, C = jb.C;
+    const fm_scale_mode mode = (fm_scale_mode)b.mode;
     int64_t r, c;
     if (mode == FM_SCALE_TENSOR) {
-        dst[0] = src[0];
+        jb.dst[0] = jb.src[0];
         return;
     }
     if (mode == FM_SCALE_ROW) {
-        r = i;
+        r = k;
         c = 0;
     } else if (mode == FM_SCALE_BLOCK_1x128) {
-        int64_t R4 = fm_round_up(R, 4);
-        r = i % R4;
-        c = (i / R4) * 128;
+        const int64_t R4 = fm_round_up(R, 4);
+        r = k % R4;
+        c = (k / R4) * 128;
     } else { /* BLOCK_128x128 */
-        int64_t nk4 = fm_round_up(fm_cdiv(C, 128), 4);
-        r = (i / nk4) * 128;
-        c = (i % nk4) * 128;
+        const int64_t nk4 = fm_round_up(fm_cdiv(C, 128), 4);
+        r = (k / nk4) * 128;
+        c = (k % nk4) * 128;
     }
-    dst[i] = (r < R && c < C) ? src[fm_scale_offset(mode, sl, sR, sC, r0 + r, c)] : 1.0f;
+    jb.dst[k] = (r < R && c < C) ? jb.src[fm_scale_offset(mode, (fm_scale_layout)b.sl, jb.sR, jb.sC, jb.r0 + r, c)]
+                                 : 1.0f;
 }
 
 static int64_t lt_scale_count(fm_scale_mode m, int64_t R, int64_t C)
@@ -342,14 +368,46 @@ static size_t repack_bytes(fm_scale_mode m, int64_t R, int64_t C)
     return (size_t)fm_round_up(lt_scale_count(m, R, C) * 4, 256);
 }
 
+static fm_status repack_flush(fm_context *ctx, repack_batch *b)
+{
+    if (b->count == 0)
+        return FM_OK;
+    const int64_t total = b->total;
+    if (total > 0)
+        repack_scales<<<(unsigned)fm_cdiv(total, 256), 256, 0, fm_cuda_stream(ctx)>>>(*b);
+    b->count = 0;
+    b->total = 0;
+    return total > 0 ? fm_cuda_check_launch(ctx, "repack_scales") : FM_OK;
+}
+
+/* Queues one job (launching the batch when it is full or the mode changes). */
+static fm_status repack_add(fm_context *ctx, repack_batch *b, const float *src, fm_scale_mode mode, fm_scale_layout sl,
+                            int64_t sR, int64_t sC, int64_t r0, float *dst, int64_t R, int64_t C)
+{
+    const int64_t n = lt_scale_count(mode, R, C);
+    if (n <= 0)
+        return FM_OK;
+    fm_status st = FM_OK;
+    if (b->count && (b->mode != (int)mode || b->sl != (int)sl))
+        st = repack_flush(ctx, b);
+    if (st)
+        return st;
+    b->mode = (int)mode;
+    b->sl = (int)sl;
+    b->j[b->count] = (repack_job){src, dst, sR, sC, r0, R, C, b->total};
+    b->count++;
+    b->total += n;
+    return b->count == REPACK_BATCH ? repack_flush(ctx, b) : FM_OK;
+}
+
 static fm_status repack(fm_context *ctx, const float *src, fm_scale_mode mode, fm_scale_layout sl, int64_t sR,
                         int64_t sC, int64_t r0, float *dst, int64_t R, int64_t C)
 {
-    int64_t n = lt_scale_count(mode, R, C);
-    if (n <= 0)
-        return FM_OK;
-    repack_scales<<<(unsigned)fm_cdiv(n, 256), 256, 0, fm_cuda_stream(ctx)>>>(src, mode, sl, sR, sC, r0, dst, R, C, n);
-    return fm_cuda_check_launch(ctx, "repack_scales");
+    repack_batch b;
+    b.count = 0;
+    b.total = 0;
+    fm_status st = repack_add(ctx, &b, src, mode, sl, sR, sC, r0, dst, R, C);
+    return st ? st : repack_flush(ctx, &b);
 }
 
 /* ---- entry points -------------------------------------------------------- */
@@ -643,6 +701,10 @@ extern "C" fm_status fm_cuda_grouped_gemm(fm_context *ctx, const fm_gemm_config 
     char *p = (char *)scratch;
     int64_t n = 0, row0 = 0, ab = fm_dtype_bits(a->dtype) / 8, bb = fm_dtype_bits(b->dtype) / 8;
     int64_t db = fm_dtype_bits(d->dtype) / 8;
+    repack_batch rb[2]; /* A's and B's repacks (4 KiB of stack) */
+    repack_batch *ba = &rb[0], *bbt = &rb[1];
+    ba->count = bbt->count = 0;
+    ba->total = bbt->total = 0;
     int64_t bsc = b->scale_mode ? fm_scale_count_2d(b->scale_mode, b->scale_layout, N, K) : 0;
     for (int64_t e = 0; e < E && !st; e++) {
         int64_t m = splits->host[e];
@@ -660,13 +722,14 @@ extern "C" fm_status fm_cuda_grouped_gemm(fm_context *ctx, const fm_gemm_config 
             j->b.scale = (const float *)b->scale + e * bsc;
         if (rep_a) {
             j->a.scale = (const float *)p;
-            st = repack(ctx, (const float *)a->scale, a->scale_mode, a->scale_layout, S, K, row0, (float *)p, m, K);
+            st = repack_add(ctx, ba, (const float *)a->scale, a->scale_mode, a->scale_layout, S, K, row0, (float *)p,
+                            m, K);
             p += repack_bytes(a->scale_mode, m, K);
         }
         if (rep_b && !st) {
             j->b.scale = (const float *)p;
-            st = repack(ctx, (const float *)b->scale + e * bsc, b->scale_mode, b->scale_layout, N, K, 0, (float *)p,
-                        N, K);
+            st = repack_add(ctx, bbt, (const float *)b->scale + e * bsc, b->scale_mode, b->scale_layout, N, K, 0,
+                            (float *)p, N, K);
             p += repack_bytes(b->scale_mode, N, K);
         }
         j->M = m;
@@ -676,6 +739,10 @@ extern "C" fm_status fm_cuda_grouped_gemm(fm_context *ctx, const fm_gemm_config 
         j->ldd = N;
         row0 += m;
     }
+    if (!st)
+        st = repack_flush(ctx, ba);
+    if (!st)
+        st = repack_flush(ctx, bbt);
     if (!st)
         st = run_grouped(ctx, jobs, n, d->dtype, cfg->accumulate, p);
     free(jobs);
@@ -737,6 +804,10 @@ extern "C" fm_status fm_cuda_grouped_gemm_wgrad(fm_context *ctx, const fm_gemm_c
     char *p = (char *)scratch;
     int64_t n = 0, row0 = 0, soff_dy = 0, soff_x = 0;
     int64_t ab = fm_dtype_bits(dy->dtype) / 8, bb = fm_dtype_bits(x->dtype) / 8, db = fm_dtype_bits(dw->dtype) / 8;
+    repack_batch rb[2]; /* dY's and X's repacks (4 KiB of stack) */
+    repack_batch *bdy = &rb[0], *bx = &rb[1];
+    bdy->count = bx->count = 0;
+    bdy->total = bx->total = 0;
     for (int64_t e = 0; e < E && !st; e++) {
         int64_t m = splits->host[e];
         char *de = (char *)dw->data + e * N * K * db;
@@ -763,12 +834,12 @@ extern "C" fm_status fm_cuda_grouped_gemm_wgrad(fm_context *ctx, const fm_gemm_c
         j->b.mode = x->scale_mode;
         j->b.scale = fp8 ? (const float *)x->scale + soff_x : NULL;
         if (rep) {
-            st = repack(ctx, j->a.scale, FM_SCALE_BLOCK_1x128, dy->scale_layout, N, m, 0, (float *)p, N, m);
+            st = repack_add(ctx, bdy, j->a.scale, FM_SCALE_BLOCK_1x128, dy->scale_layout, N, m, 0, (float *)p, N, m);
             j->a.scale = (const float *)p;
             p += repack_bytes(FM_SCALE_BLOCK_1x128, N, m);
         }
         if (repx && !st) {
-            st = repack(ctx, j->b.scale, FM_SCALE_BLOCK_1x128, x->scale_layout, K, m, 0, (float *)p, K, m);
+            st = repack_add(ctx, bx, j->b.scale, FM_SCALE_BLOCK_1x128, x->scale_layout, K, m, 0, (float *)p, K, m);
             j->b.scale = (const float *)p;
             p += repack_bytes(FM_SCALE_BLOCK_1x128, K, m);
         }
@@ -783,6 +854,10 @@ extern "C" fm_status fm_cuda_grouped_gemm_wgrad(fm_context *ctx, const fm_gemm_c
         }
         row0 += m;
     }
+    if (!st)
+        st = repack_flush(ctx, bdy);
+    if (!st)
+        st = repack_flush(ctx, bx);
     if (!st)
         st = run_grouped(ctx, jobs, n, dw->dtype, cfg->accumulate, p);
     free(jobs);
