@@ -36,12 +36,25 @@ sanitize() {
   local lim=$((san_end - SECONDS)); [ $lim -gt $cap ] && lim=$cap
   if [ $lim -lt 10 ]; then notrun=$((notrun + 1)); echo "$tool $*: NOT RUN (budget spent)" >>"$s"; return; fi
   local log=$OUT/$tool-one.log
-  t $lim $tool-one.log compute-sanitizer --tool "$tool" --error-exitcode 9 "$@"
+  # NCCL probes kernel images at init (API errors that are not ours). initcheck
+  # does not see cuBLASLt's TMA stores and racecheck does not model its
+  # mbarriers; racecheck also cannot run the native GEMM kernel (it stops
+  # with an internal error), and only the first --kernel-name-exclude counts,
+  # so racecheck leaves gm_kernel out and its reports inside cuBLASLt's
+  # kernels (nvjet_*) are counted apart (RELIABILITY.md, eighth session).
+  local opts=(--report-api-errors no)
+  [ "$tool" = initcheck ] && opts+=(--kernel-name-exclude kns=nvjet)
+  [ "$tool" = racecheck ] && opts+=(--kernel-name-exclude kns=gm_kernel)
+  t $lim $tool-one.log compute-sanitizer --tool "$tool" "${opts[@]}" --error-exitcode 9 "$@"
   local rc=$? n
   cat "$log" >>"$OUT/$tool.log"
-  # racecheck counts its errors in its own summary line, the other tools in ERROR SUMMARY
-  n=$(grep -oE "RACECHECK SUMMARY: .*\(([0-9]+) error" "$log" | grep -oE "[0-9]+ error" | grep -oE "[0-9]+" | tail -1)
-  [ -n "$n" ] || n=$(grep -oE "ERROR SUMMARY: [0-9]+ error" "$log" | grep -oE "[0-9]+" | tail -1)
+  # racecheck: reports naming a kernel outside cuBLASLt; the other tools: ERROR SUMMARY
+  if [ "$tool" = racecheck ] && grep -q "RACECHECK SUMMARY" "$log"; then
+    n=$(grep -A1 "Race reported" "$log" | grep "access at" | grep -vc "access at nvjet")
+    foreign=$((foreign + $(grep -c "Race reported.*access at nvjet" "$log")))
+  else
+    n=$(grep -oE "ERROR SUMMARY: [0-9]+ error" "$log" | grep -oE "[0-9]+" | tail -1)
+  fi
   rm -f "$log"
   if [ -z "$n" ]; then nosum=$((nosum + 1)); echo "$tool $*: rc=$rc and no summary (timed out or crashed)" >>"$s"; return; fi
   checked=$((checked + 1)); errors=$((errors + n))
@@ -59,11 +72,13 @@ budget_end=$((SECONDS + ${FM_SANITIZER_BUDGET:-480}))
 ntools=$(echo $san_tools | wc -w)
 for tool in $san_tools; do
   san_end=$((SECONDS + (budget_end - SECONDS) / ntools)); ntools=$((ntools - 1))
-  checked=0 errors=0 nosum=0 notrun=0
+  checked=0 errors=0 nosum=0 notrun=0 foreign=0
   for x in $B/tests/gpu/test_cuda_*; do [ -f "$x" ] && [ -x "$x" ] || continue
     sanitize "$tool" "$x"
   done
   [ "$tool" = memcheck ] && san_cap=200 sanitize "$tool" $B/tools/fm-xval -q
-  echo "compute-sanitizer $tool: $checked programs checked, $errors errors found, $nosum runs without a summary, $notrun not run (budget)" >>"$s"
+  extra=""
+  [ "$tool" = racecheck ] && extra=", $foreign reports inside cuBLASLt kernels (not counted)"
+  echo "compute-sanitizer $tool: $checked programs checked, $errors errors found, $nosum runs without a summary, $notrun not run (budget)$extra" >>"$s"
 done
 cat "$s"
