@@ -5,7 +5,8 @@
  * floor(log2 a) - floor(log2 max_elem), clamped; fm_exact_scale:
  * max_elem / a in F32, 1 for a = 0, FLT_MAX where it overflows. Over every
  * non-negative finite BF16 amax (normal and subnormal), random F32 amax,
- * random F32 subnormal amax (the clamp), and the edges of each binade. */
+ * random F32 subnormal amax (the clamp), and the edges of each binade. And
+ * the monotonicity of fm_code_scale_exp over magnitude codes. */
 #include <float.h>
 #include <math.h>
 
@@ -88,5 +89,29 @@ int main(void)
             }
     }
     check_amax(FLT_MAX, "FLT_MAX");
+
+    /* What the CUDA row-segment conversion (requantize.cu, rq_max_mag) rests
+     * on: a block's key is the key of its largest magnitude code, because
+     * fm_code_scale_exp never falls as the magnitude code rises, over the
+     * finite codes of every input format and either rule, and the
+     * non-finite codes lie above every finite one. */
+    for (int i = 0; i < 3; i++)
+        for (int o = 0; o < 3; o++)
+            for (int fl = 0; fl < 2; fl++) {
+                const int nmag = dts[i] == FM_DTYPE_E2M1 ? 8 : 128;
+                int prev = -1000, seen_nonfinite = 0;
+                for (int m = 1; m < nmag; m++) { /* 0: the empty block, apart */
+                    if (fm_elem_code_nonfinite(dts[i], (uint8_t)m)) {
+                        seen_nonfinite = 1;
+                        continue;
+                    }
+                    CHECK(!seen_nonfinite, "%s: finite magnitude code 0x%02x above a non-finite one",
+                          fm_dtype_name(dts[i]), m);
+                    const int k = fm_code_scale_exp(dts[i], (uint8_t)m, dts[o], fl);
+                    CHECK(k >= prev, "fm_code_scale_exp(%s -> %s, %s) falls at magnitude code 0x%02x: %d after %d",
+                          fm_dtype_name(dts[i]), fm_dtype_name(dts[o]), fl ? "mx floor" : "pow2", m, k, prev);
+                    prev = k;
+                }
+            }
     return tu_end();
 }
