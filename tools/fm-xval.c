@@ -1127,8 +1127,26 @@ static double gm_val(const void *p, fm_dtype t, size_t i)
     return t == FM_DTYPE_BF16 ? (double)fm_bf16_to_f32(((const uint16_t *)p)[i]) : (double)((const float *)p)[i];
 }
 
-/* Relative Frobenius error of the device output against the host one, NaN
- * positions compared apart: 0 pass, 1 fail. */
+/* Relative Frobenius error of got against ref (n BF16 or F32 values) over
+ * the elements finite on both; *class_diff counts those whose class
+ * (finite, NaN, +Inf, -Inf) differs between the two. */
+static double rel_frob_classes(const void *ref, const void *got, fm_dtype t, size_t n, size_t *class_diff)
+{
+    double num = 0, den = 0;
+    *class_diff = 0;
+    for (size_t i = 0; i < n; i++) {
+        const double r = gm_val(ref, t, i), v = gm_val(got, t, i);
+        if (!isfinite(r) || !isfinite(v)) {
+            *class_diff += !(isnan(r) ? isnan(v) : !isnan(v) && r == v);
+            continue;
+        }
+        num += (v - r) * (v - r);
+        den += r * r;
+    }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+/* The device output against the host one: 0 pass, 1 fail. */
 static int gm_compare(xv_env *x, const xv_buf *d, fm_dtype t, const char *name)
 {
     void *g = malloc(d->n ? d->n : 1);
@@ -1136,24 +1154,15 @@ static int gm_compare(xv_env *x, const xv_buf *d, fm_dtype t, const char *name)
         free(g);
         return 1;
     }
-    double num = 0, den = 0;
-    size_t nan_diff = 0, n = d->n / (size_t)dtype_bytes(t);
-    for (size_t i = 0; i < n; i++) {
-        double r = gm_val(d->h, t, i), v = gm_val(g, t, i);
-        if (isnan(r) || isnan(v)) {
-            nan_diff += isnan(r) != isnan(v);
-            continue;
-        }
-        num += (v - r) * (v - r);
-        den += r * r;
-    }
+    size_t class_diff;
+    const double rel = rel_frob_classes(d->h, g, t, d->n / (size_t)dtype_bytes(t), &class_diff);
+    const double tol = t == FM_DTYPE_BF16 ? 5e-3 : 5e-4;
     free(g);
-    double rel = den > 0 ? sqrt(num / den) : sqrt(num), tol = t == FM_DTYPE_BF16 ? 5e-3 : 5e-4;
-    if (rel <= tol && nan_diff == 0)
+    if (rel <= tol && class_diff == 0)
         return 0;
     if (x->printed++ < 20)
-        fprintf(stderr, "FAIL %s: relative Frobenius error %.3g (tolerance %.0e), %zu NaN mismatches\n", name, rel,
-                tol, nan_diff);
+        fprintf(stderr, "FAIL %s: relative Frobenius error %.3g (tolerance %.0e), %zu elements non-finite on one side "
+                        "or differently\n", name, rel, tol, class_diff);
     return 1;
 }
 
@@ -2007,26 +2016,6 @@ static double ly_normal(xv_env *x)
     return sqrt(-2.0 * log(u > 0 ? u : 1e-300)) * cos(6.283185307179586 * v);
 }
 
-/* Over the elements finite on both sides; *nonfin counts the elements whose
- * class (finite, NaN, +Inf, -Inf) differs between the two. */
-static double ly_rel_frob(const float *g, const float *c, int64_t n, int64_t *nonfin)
-{
-    double num = 0, den = 0;
-    *nonfin = 0;
-    for (int64_t i = 0; i < n; i++) {
-        const int fg = isfinite(g[i]), fc = isfinite(c[i]);
-        if (!fg || !fc) {
-            const int same = !fg && !fc && (isnan(g[i]) ? isnan(c[i]) : !isnan(c[i]) && g[i] == c[i]);
-            *nonfin += !same;
-            continue;
-        }
-        const double d = (double)g[i] - c[i];
-        num += d * d;
-        den += (double)c[i] * c[i];
-    }
-    return den > 0 ? sqrt(num / den) : sqrt(num);
-}
-
 enum { LY_WR, LY_W1, LY_W2, LY_GR, LY_G1, LY_G2, LY_X, LY_Y, LY_DY, LY_DX, LY_NB };
 
 /* 0 pass, 1 fail. */
@@ -2093,18 +2082,18 @@ static int ly_case(xv_env *x, const ly_shape *s, fm_recipe rc, int kind, const c
             res = 1;
             break;
         }
-        int64_t nf = 0, nfc = 0;
-        const double e = ly_rel_frob(g, h[i], n[i], &nf);
+        size_t nf = 0, nfc = 0;
+        const double e = rel_frob_classes(h[i], g, FM_DTYPE_F32, (size_t)n[i], &nf);
         for (int64_t j = 0; j < n[i]; j++)
             nfc += !isfinite(h[i][j]);
         if (x->verbose)
-            printf("  %s %s: rel. Frobenius error %.2e (bound %.0e), %lld non-finite on the CPU, %lld differ in "
-                   "class\n", name, on[o], e, tol, (long long)nfc, (long long)nf);
+            printf("  %s %s: rel. Frobenius error %.2e (bound %.0e), %zu non-finite on the CPU, %zu differ in "
+                   "class\n", name, on[o], e, tol, nfc, nf);
         if (!(e <= tol) || nf) {
             res = 1;
             if (x->printed++ < 20)
-                fprintf(stderr, "FAIL %s: %s rel. Frobenius error %.3g (bound %.3g), %lld elements finite on one "
-                        "side only or non-finite differently\n", name, on[o], e, tol, (long long)nf);
+                fprintf(stderr, "FAIL %s: %s rel. Frobenius error %.3g (bound %.3g), %zu elements finite on one "
+                        "side only or non-finite differently\n", name, on[o], e, tol, nf);
         }
         free(g);
     }
