@@ -434,17 +434,21 @@ extern "C" fm_status fm_cuda_moe_permute(fm_context *ctx, const fm_permute_confi
             perm_move_kernel<<<(unsigned)(p.T + p.fill_blocks), PERM_MOVE_THREADS, 0, s>>>(p);
         err = cudaGetLastError();
     }
-    int hflag = 0;
-    int64_t hneed = 0;
+    /* the row need and the flags come back through the context's pinned buffer */
+    int64_t *hsmall = (int64_t *)fm_cuda(ctx)->host_small;
+    hsmall[0] = 0;
+    hsmall[1] = 0;
     if (err == cudaSuccess && host_splits) {
         err = cudaMemcpyAsync(host_splits, splits->data, (size_t)E * 8, cudaMemcpyDeviceToHost, s);
         if (err == cudaSuccess)
-            err = cudaMemcpyAsync(&hneed, need, 8, cudaMemcpyDeviceToHost, s);
+            err = cudaMemcpyAsync(&hsmall[0], need, 8, cudaMemcpyDeviceToHost, s);
         if (err == cudaSuccess)
-            err = cudaMemcpyAsync(&hflag, flag, 4, cudaMemcpyDeviceToHost, s);
+            err = cudaMemcpyAsync(&hsmall[1], flag, 4, cudaMemcpyDeviceToHost, s);
         if (err == cudaSuccess)
             err = cudaStreamSynchronize(s);
     }
+    const int64_t hneed = hsmall[0];
+    const int hflag = (int)*(const int32_t *)&hsmall[1];
     if (owned) {
         cudaError_t e2 = cudaFreeAsync(scr, s);
         if (err == cudaSuccess)
