@@ -84,6 +84,7 @@ typedef struct rqparams {
     int out_mode, out_layout, out_e8, bo, bo_shift;
     int rule;
     int vec_in, vec_out;
+    int vec_in16; /* rows of whole 16-byte chunks from a 16-byte aligned base (FP8) */
     int64_t R, C;     /* stored input matrix */
     int64_t Ro, Co;   /* stored output matrix */
     int64_t nbi, nbo; /* blocks per stored input / output row */
@@ -332,16 +333,22 @@ FM_DI void rq_store_scales(const rqparams &p, int (*pin_s)[RQT], const uint32_t 
 
 /* ---- output scales -------------------------------------------------------- */
 
-FM_DI void rq_put_scale(const rqparams &p, const rqtile &tile, int64_t ro, int64_t co, int bad, int pv)
+/* Output scale entry `off`: 2^pv, or NaN (and counted) for a non-finite block. */
+FM_DI void rq_store_scale(const rqparams &p, int e8, int64_t off, int bad, int pv)
 {
-    const int64_t off =
-        rq_scale_off(p.out_mode, p.out_layout, p.Ro, tile.Co, tile.nbo, p.bo_shift, tile.sout0, ro, co);
-    if (p.out_e8)
+    if (e8)
         ((uint8_t *)p.out_scale)[off] = bad ? (uint8_t)FM_E8M0_NAN : (uint8_t)(pv + 127);
     else
         ((float *)p.out_scale)[off] = bad ? fm_bits_f32(FM_F32_CANON_NAN) : fm_exp2i(pv);
     if (bad && p.nonfinite)
         atomicAdd(p.nonfinite, 1ull);
+}
+
+FM_DI void rq_put_scale(const rqparams &p, const rqtile &tile, int64_t ro, int64_t co, int bad, int pv)
+{
+    const int64_t off =
+        rq_scale_off(p.out_mode, p.out_layout, p.Ro, tile.Co, tile.nbo, p.bo_shift, tile.sout0, ro, co);
+    rq_store_scale(p, p.out_e8, off, bad, pv);
 }
 
 /* A block's maximum key -> its exponent slot (RQ_BADP when non-finite). */
@@ -679,6 +686,521 @@ __global__ void __launch_bounds__(RQTHREADS, 2) requant_tile_kernel(const rqpara
     }
 }
 
+/* ---- FP8 -> FP8 transposes: keys and codes in half precision --------------
+ * The tile kernel's plan (tiles, the thread's 8 x 8 sub-tile, the shared
+ * transposed tile and its stores), for E4M3 / E5M2 in and out, with the work
+ * per element cut to a few instructions a pair of codes:
+ *  - the sub-tile is transposed in registers first (PRMT), so that a 16-bit
+ *    half holds two rows of one column: the unit both cvt directions take.
+ *  - keys: |value| x 2^(p_in - Q) in half precision (HMUL2), Q the largest
+ *    valid input exponent of the tile, and maxima on the bits (VIMNMX.U16x2:
+ *    magnitudes order as integers). A zero stays 0, NaN / Inf stay above
+ *    every finite value, and the column maximum K is exactly the block's
+ *    amax times 2^-Q whenever K >= RQF_THR: products of 2^-21 and more are
+ *    exact (an FP8 value has at most 4 significant bits), a smaller product
+ *    rounds to at most 2^-21, and a row more than 24 octaves below Q (no
+ *    half-precision factor: 0) holds values below RQF_THR. The block
+ *    exponent is the rule applied to K, plus Q (the rules commute with
+ *    power-of-two shifts, format.h). If a block of the tile has K below
+ *    RQF_THR (a zero column, or only tiny values), those blocks take the
+ *    CPU's keys element by element (rq_code_key): rare and exact.
+ *  - codes: code x 2^(p_in - p_out) in half precision, rounded by
+ *    cvt.rn.satfinite.{e4m3,e5m2}x2.f16x2. Exact wherever the product is at
+ *    least 2^-14; a smaller one may round in half precision, but below half
+ *    the output's smallest subnormal it ends as a signed zero either way,
+ *    as the F32 product does. The multipliers of two rows are one integer
+ *    add when every d of the thread's rows and the column lies in [-14, 15];
+ *    otherwise the column takes F32 and rq_mult, as the tile kernel does. */
+
+#define RQF_FAIL 2000 /* pout_s entry of a block whose K is below RQF_THR */
+#define RQF_NQ 17     /* per tile: its largest valid input exponent, then per (row group, input block) */
+
+template <int TI>
+struct rqf_thr {
+    /* 2^-16 for E4M3 (448 x 2^-25 < 2^-16), 2^-9 for E5M2 (57344 x 2^-25 < 2^-9), as half bits */
+    static const uint32_t v = TI == FM_DTYPE_E4M3 ? 0x0100u : 0x1800u;
+};
+
+/* Two FP8 codes (bits 0-15) as a half2, exactly. */
+template <int TI>
+FM_DI uint32_t rqf_h2(uint32_t two)
+{
+    uint32_t h;
+    if (TI == FM_DTYPE_E4M3)
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)two));
+    else
+        h = __byte_perm(two, 0u, 0x1404); /* an E5M2 code is the high byte of its F16 */
+    return h;
+}
+
+/* A half2 to two FP8 codes (bits 0-15), RNE and satfinite. */
+template <int TO>
+FM_DI uint32_t rqf_enc2(uint32_t h)
+{
+    unsigned short d;
+    if (TO == FM_DTYPE_E4M3)
+        asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(d) : "r"(h));
+    else
+        asm("cvt.rn.satfinite.e5m2x2.f16x2 %0, %1;" : "=h"(d) : "r"(h));
+    return d;
+}
+
+/* 4 x 4 bytes: rows r0..r3 (byte i = column i) -> c[i] = column i (byte k = row k). */
+FM_DI void rqf_t4(uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3, uint32_t *c0, uint32_t *c1, uint32_t *c2,
+                  uint32_t *c3)
+{
+    const uint32_t t0 = __byte_perm(r0, r1, 0x5140), t1 = __byte_perm(r0, r1, 0x7362);
+    const uint32_t t2 = __byte_perm(r2, r3, 0x5140), t3 = __byte_perm(r2, r3, 0x7362);
+    *c0 = __byte_perm(t0, t2, 0x5410);
+    *c1 = __byte_perm(t0, t2, 0x7632);
+    *c2 = __byte_perm(t1, t3, 0x5410);
+    *c3 = __byte_perm(t1, t3, 0x7632);
+}
+
+/* Factors 2^(p - Q) as half bits, by e = clamp(p - Q, -26, 1) + 26: 0 for
+ * rows more than 24 octaves below Q and outside the matrix (RQ_EMPTY), NaN
+ * for a NaN scale (RQ_NAN_ROW); p <= Q otherwise. */
+#define RQF_NLUT 28
+FM_DI uint32_t rqf_factor_bits(int i)
+{
+    const int e = i - 26;
+    return i == 27 ? 0x7E00u : e < -24 ? 0u : e >= -14 ? (uint32_t)(e + 15) << 10 : 1u << (e + 24);
+}
+
+FM_DI uint32_t rqf_factor(const uint32_t *lut, int p, int Q)
+{
+    return lut[min(max(p - Q, -26), 1) + 26];
+}
+
+/* The next tile's input exponents (as rq_store_scales), and its largest
+ * valid one overall (q[0]) and per (output row group, input block)
+ * (q[1 + 4 g + b]), by warp maxima: a warp's 32 entries share b and g. */
+FM_DI void rqf_store_scales(const rqparams &p, int (*pin_s)[RQT], int *q, const uint32_t (&raw)[2], int ok)
+{
+    const int nbt = RQT >> p.bi_shift;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int idx = threadIdx.x + h * RQTHREADS, row = idx & (RQT - 1), b = idx >> 7;
+        if (b < nbt) {
+            const int pin = (ok >> h) & 1 ? rq_pin(raw[h], p.in_e8) : RQ_EMPTY;
+            pin_s[b][row] = pin;
+            const int m = __reduce_max_sync(0xFFFFFFFFu, rq_pin_valid(pin) ? pin : RQ_EMPTY);
+            if ((threadIdx.x & 31) == 0 && m != RQ_EMPTY) {
+                atomicMax(&q[0], m);
+                atomicMax(&q[1 + 4 * (row >> p.bo_shift) + b], m);
+            }
+        }
+    }
+}
+
+/* A tile wholly inside its output matrix with 16-byte stores: one pointer
+ * a thread, advanced by 32 output rows a pass (no per-row bounds). */
+FM_DI bool rqf_full_out(const rqparams &p, const rqtile &tl)
+{
+    return tl.vec_out && tl.c0 + RQT <= p.Ro && tl.r0 + RQT <= tl.Co;
+}
+
+/* Tile t's codes into a shared stage (128 rows of 128 bytes, zeros outside
+ * the matrix; 16-byte chunk ch of row r at chunk ch ^ (r / 8 mod 8), so
+ * that the lanes of a warp, 16 row groups of 8 rows reading the same chunk
+ * column, spread over the banks): cp.async of 16-byte chunks when the rows allow them
+ * (p.vec_in16: row length a multiple of 16, aligned base), loads
+ * through registers otherwise (rare: odd row lengths). */
+FM_DI void rqf_cp16(uint8_t *dst, const uint8_t *src, bool in)
+{
+    const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(in ? 16 : 0) : "memory");
+}
+
+template <int TI, bool G>
+FM_DI void rqf_fill_stage(const rqparams &p, uint32_t t, const rqtile &tl, uint8_t *stage)
+{
+    const int tid = threadIdx.x;
+    if (p.vec_in16 && tl.r0 + RQT <= tl.R && tl.c0 + RQT <= p.C) {
+        /* a whole tile: chunk ch of rows row + 32 i (swizzle bit 2 flips with i) */
+        const int row = tid >> 3, ch = tid & 7;
+        const uint8_t *src = tl.in + (tl.r0 + row) * p.C + tl.c0 + 16 * ch;
+        uint8_t *dst = stage + row * RQT;
+        const int x0 = 16 * (ch ^ ((row >> 3) & 7)), x1 = 16 * (ch ^ (((row >> 3) + 4) & 7));
+        const int64_t step = 32 * p.C;
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            rqf_cp16(dst + i * 32 * RQT + ((i & 1) ? x1 : x0), src + i * step, true);
+    } else if (p.vec_in16) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int id = tid + i * RQTHREADS, row = id >> 3, ch = id & 7;
+            const int64_t r = tl.r0 + row, c = tl.c0 + 16 * ch;
+            const bool in = r < tl.R && c < p.C;
+            rqf_cp16(stage + row * RQT + 16 * (ch ^ ((row >> 3) & 7)), in ? tl.in + r * p.C + c : tl.in, in);
+        }
+    } else {
+        uint32_t cw[8][2];
+        rq_load_codes<TI, G>(p, t, cw);
+        const int w = tid >> 5, l = tid & 31, r = w * 16 + (l >> 4) * 8, cb = (l & 15) * 8;
+        uint8_t *d = stage + r * RQT + 16 * ((cb >> 4) ^ ((r >> 3) & 7)) + (cb & 8);
+#pragma unroll
+        for (int k = 0; k < 8; k++)
+            *(uint2 *)(d + k * RQT) = make_uint2(cw[k][0], cw[k][1]);
+    }
+}
+
+/* rq_load_scales with the tile's place given. */
+FM_DI void rqf_load_scales(const rqparams &p, const rqtile &tl, uint32_t (&raw)[2], int *ok)
+{
+    const int nbt = RQT >> p.bi_shift;
+    *ok = 0;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int idx = threadIdx.x + h * RQTHREADS, row = idx & (RQT - 1), b = idx >> 7;
+        const int64_t r = tl.r0 + row, c = tl.c0 + ((int64_t)b << p.bi_shift);
+        raw[h] = 0;
+        if (b < nbt && r < tl.R && c < p.C) {
+            const int64_t off =
+                rq_scale_off(p.in_mode, p.in_layout, p.R, p.C, p.nbi, p.bi_shift, tl.sin0, tl.srow + r, c);
+            raw[h] = p.in_e8 ? (uint32_t)((const uint8_t *)p.in_scale)[off] : ((const uint32_t *)p.in_scale)[off];
+            *ok |= 1 << h;
+        }
+    }
+}
+
+/* The transposed tile out of shared memory ([tile column][tile row], 128
+ * bytes a column, no swizzle): output row c0 + c, 16 bytes a thread. */
+template <int TO>
+FM_DI void rqf_store_tile(const rqparams &p, const uint8_t *tsm, const rqtile &tl)
+{
+    const int tid = threadIdx.x, c = tid >> 3, qq = tid & 7;
+    if (rqf_full_out(p, tl)) {
+        uint8_t *dst = tl.out + (tl.c0 + c) * tl.Co + tl.r0 + 16 * qq;
+        const int64_t step = 32 * tl.Co;
+#pragma unroll
+        for (int pass = 0; pass < 4; pass++)
+            __stcs((uint4 *)(dst + pass * step), *(const uint4 *)(tsm + (c + 32 * pass) * 128 + 16 * qq));
+        return;
+    }
+#pragma unroll
+    for (int pass = 0; pass < 4; pass++) {
+        const int64_t sr = tl.c0 + c + 32 * pass, sc = tl.r0 + 16 * qq;
+        if (sr >= p.Ro || sc >= tl.Co)
+            continue;
+        const uint4 val = *(const uint4 *)(tsm + (c + 32 * pass) * 128 + 16 * qq);
+        uint8_t *dst = tl.out + sr * tl.Co + sc;
+        if (tl.vec_out) {
+            __stcs((uint4 *)dst, val);
+        } else {
+            const uint32_t wd[4] = {val.x, val.y, val.z, val.w};
+#pragma unroll
+            for (int b = 0; b < 16; b++)
+                if (sc + b < tl.Co)
+                    dst[b] = (uint8_t)(wd[b >> 2] >> (8 * (b & 3)));
+        }
+    }
+}
+
+/* The rare paths, out of line (the kernel's loop stays small in the
+ * instruction cache). A column's 8 codes (rows 0-3, 4-7) and the rows'
+ * input exponents (shared memory): the CPU's key of its block maximum, ... */
+template <int TI, int TO>
+static __device__ __noinline__ int rqf_exact_key(uint32_t c0, uint32_t c1, const int *pin, int rule)
+{
+    int key = RQ_KEY_MIN;
+#pragma unroll 1
+    for (int k = 0; k < 8; k++) {
+        const uint32_t code = ((k < 4 ? c0 : c1) >> (8 * (k & 3))) & 0x7Fu;
+        key = rq_max(key, rq_code_key<TI, TO>((int)code, rule) + pin[k]);
+    }
+    return key;
+}
+
+/* ... and its output codes through F32, for any d (rq_mult's clamps). */
+template <int TI, int TO>
+static __device__ __noinline__ uint2 rqf_slow_col(uint32_t c0, uint32_t c1, const int *pin, int pout)
+{
+    uint32_t e[4];
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        const uint32_t h = rqf_h2<TI>((q < 2 ? c0 : c1) >> (16 * (q & 1)));
+        const float lo = fm_hw_f16_to_f32((uint16_t)(h & 0xFFFFu)), hi = fm_hw_f16_to_f32((uint16_t)(h >> 16));
+        const float ylo = __fmul_rn(lo, rq_mult(pin[2 * q], pout)), yhi = __fmul_rn(hi, rq_mult(pin[2 * q + 1], pout));
+        e[q] = TO == FM_DTYPE_E4M3 ? fm_hw_e4m3x2(ylo, yhi) : fm_hw_e5m2x2(ylo, yhi);
+    }
+    return make_uint2(e[0] | (e[1] << 16), e[2] | (e[3] << 16));
+}
+
+#define RQF_STAGES 3
+#define RQF_DYN_SMEM ((RQF_STAGES + 1) * RQT * RQT) /* the input stages, then the transposed tile */
+
+/* Lane l of warp w: rows 8 rg .. 8 rg + 7 (rg = l / 2) of tile columns
+ * 16 w + 8 cg .. + 7 (cg = l % 2), so a warp holds whole output blocks
+ * (128 or 32 rows of its 16 columns): the column keys reduce by shuffles
+ * and a tile needs two barriers (its stage in, its transposed tile out). */
+template <int TI, int TO, bool G>
+__global__ void __launch_bounds__(RQTHREADS, 3) rq_fp8t_kernel(const rqparams p)
+{
+    extern __shared__ __align__(16) uint8_t rqf_dyn[];
+    __shared__ __align__(16) int pin_s[2][4][RQT];
+    __shared__ int qs[2][RQF_NQ];
+    __shared__ uint32_t flut[RQF_NLUT];
+    __shared__ rqtile tl_s[RQF_STAGES]; /* tile places, by iteration mod 3 */
+    uint8_t *const tsm = rqf_dyn + RQF_STAGES * RQT * RQT;
+
+    const int tid = threadIdx.x, w = tid >> 5, l = tid & 31, rg = l >> 1, cg = l & 1;
+    const int rl = rg * 8, cl = w * 16 + cg * 8;
+
+    uint32_t t = blockIdx.x;
+    if (t >= p.ntiles)
+        return;
+    uint32_t raw[2];
+    int ok;
+    if (tid < RQF_NQ)
+        qs[0][tid] = RQ_EMPTY;
+    if (tid < RQF_NLUT)
+        flut[tid] = rqf_factor_bits(tid);
+    /* Tiles t and t + grid into stages 0 and 1 (a cp.async group each, empty past the end). */
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const uint32_t ti = t + i * gridDim.x;
+        if (ti < p.ntiles && ti >= t) {
+            const rqtile tl = rq_tile<G>(p, ti);
+            if (tid == 0)
+                tl_s[i] = tl;
+            rqf_fill_stage<TI, G>(p, ti, tl, rqf_dyn + i * RQT * RQT);
+            if (i == 0)
+                rqf_load_scales(p, tl, raw, &ok);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+    __syncthreads();
+    rqf_store_scales(p, pin_s[0], qs[0], raw, ok);
+
+    for (int buf = 0, slot = 0; t < p.ntiles; buf ^= 1) {
+        const int nslot = slot == 2 ? 0 : slot + 1, n2slot = nslot == 2 ? 0 : nslot + 1;
+        const uint32_t tn = t + gridDim.x, tn2 = tn + gridDim.x;
+        const bool more = tn < p.ntiles && tn > t, more2 = more && tn2 < p.ntiles && tn2 > tn;
+        /* Tile t's stage complete and visible; every thread is past the last tile. */
+        asm volatile("cp.async.wait_group 1;" ::: "memory");
+        __syncthreads();
+        if (more2) {
+            const rqtile tl = rq_tile<G>(p, tn2);
+            if (tid == 0)
+                tl_s[n2slot] = tl;
+            rqf_fill_stage<TI, G>(p, tn2, tl, rqf_dyn + n2slot * RQT * RQT);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+        if (tid < RQF_NQ)
+            qs[buf ^ 1][tid] = RQ_EMPTY;
+        if (more)
+            rqf_load_scales(p, tl_s[nslot], raw, &ok);
+
+        /* the lane's 8 x 8 codes by columns: col[j][0] rows 0-3, col[j][1] rows 4-7 */
+        uint32_t col[8][2];
+        {
+            const uint8_t *sb = rqf_dyn + slot * RQT * RQT + rl * RQT + 16 * (w ^ (rg & 7)) + 8 * cg;
+            uint32_t cw[8][2];
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const uint2 v = *(const uint2 *)(sb + k * RQT);
+                cw[k][0] = v.x;
+                cw[k][1] = v.y;
+            }
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int q = 0; q < 2; q++)
+                    rqf_t4(cw[4 * h][q], cw[4 * h + 1][q], cw[4 * h + 2][q], cw[4 * h + 3][q], &col[4 * q][h],
+                           &col[4 * q + 1][h], &col[4 * q + 2][h], &col[4 * q + 3][h]);
+        }
+
+        int pk[8];
+        const int b = cl >> p.bi_shift;
+        {
+            const int4 a = *(const int4 *)&pin_s[buf][b][rl], c = *(const int4 *)&pin_s[buf][b][rl + 4];
+            pk[0] = a.x, pk[1] = a.y, pk[2] = a.z, pk[3] = a.w, pk[4] = c.x, pk[5] = c.y, pk[6] = c.z, pk[7] = c.w;
+        }
+        const int Qr = qs[buf][0], Q = Qr == RQ_EMPTY ? 0 : Qr;
+        const bool b128 = p.bo == 128;
+
+        /* 1. block maxima of |value| 2^(p_in - Q), two columns a word: the
+         * lane's 8 rows, then the lanes of the block (rg bits: lane bits 1-4) */
+        uint32_t kp[4];
+        {
+            uint32_t F[4];
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+                F[q] = rqf_factor(flut, pk[2 * q], Q) | (rqf_factor(flut, pk[2 * q + 1], Q) << 16);
+            uint32_t m[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                uint32_t x[4];
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    const uint32_t h = rqf_h2<TI>(col[j][q >> 1] >> (16 * (q & 1)));
+                    const __half2 a = __hmul2(__habs2(*(const __half2 *)&h), *(const __half2 *)&F[q]);
+                    x[q] = *(const uint32_t *)&a;
+                }
+                m[j] = __vmaxu2(__vimax3_u16x2(x[0], x[1], x[2]), x[3]);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                uint32_t v = __vmaxu2(__byte_perm(m[2 * i], m[2 * i + 1], 0x5410),
+                                      __byte_perm(m[2 * i], m[2 * i + 1], 0x7632));
+                v = __vmaxu2(v, __shfl_xor_sync(0xFFFFFFFFu, v, 2));
+                v = __vmaxu2(v, __shfl_xor_sync(0xFFFFFFFFu, v, 4));
+                if (b128) {
+                    v = __vmaxu2(v, __shfl_xor_sync(0xFFFFFFFFu, v, 8));
+                    v = __vmaxu2(v, __shfl_xor_sync(0xFFFFFFFFu, v, 16));
+                }
+                kp[i] = v;
+            }
+        }
+
+        /* Each block's exponent by one lane: a 1 x 128 block's column rg (lanes
+         * rg < 8 write its scale), a 32-row block's columns rg % 4 and + 4. */
+        const rqtile &tile = tl_s[slot]; /* read where used: fewer registers live */
+        const int g = b128 ? 0 : rg >> 2, jj = b128 ? rg & 7 : rg & 3;
+        int pv[2], fail[2] = {0, 0};
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            pv[e] = 0;
+            if (e == 1 && b128)
+                break;
+            const int j = jj + 4 * e, c = cl + j;
+            const uint32_t kw = j < 2 ? kp[0] : j < 4 ? kp[1] : j < 6 ? kp[2] : kp[3];
+            const uint32_t K = (kw >> (16 * (j & 1))) & 0xFFFFu;
+            int key;
+            if (K >= 0x7C00u)
+                key = RQ_BIG;
+            else if (p.rule == FM_REQUANT_ROWMAX)
+                key = qs[buf][1 + 4 * g + (c >> p.bi_shift)];
+            else if (K >= rqf_thr<TI>::v) {
+                const float a = __half2float(__ushort_as_half((unsigned short)K));
+                key = (p.rule == FM_REQUANT_MX_FLOOR ? fm_mx_floor_scale_exp(a, (fm_dtype)TO)
+                                                     : fm_pow2_scale_exp(a, (fm_dtype)TO)) + Q;
+            } else
+                key = RQ_KEY_MIN;
+            const int64_t ro = tile.c0 + c, co = tile.r0 + ((int64_t)g << p.bo_shift);
+            const bool mine = (!b128 || rg < 8) && ro < p.Ro && co < tile.Co;
+            if (key == RQ_KEY_MIN) {
+                pv[e] = RQF_FAIL;
+                fail[e] = mine;
+            } else {
+                pv[e] = rq_block_exp(key);
+                if (mine)
+                    rq_put_scale(p, tile, ro, co, pv[e] == RQ_BADP, pv[e]);
+            }
+        }
+        if (__any_sync(0xFFFFFFFFu, fail[0] | fail[1])) {
+            /* The CPU's keys, element by element, for the blocks K could not settle. */
+            int ck[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                int k = rqf_exact_key<TI, TO>(col[j][0], col[j][1], &pin_s[buf][b][rl], p.rule);
+                k = rq_max(k, __shfl_xor_sync(0xFFFFFFFFu, k, 2));
+                k = rq_max(k, __shfl_xor_sync(0xFFFFFFFFu, k, 4));
+                if (b128) {
+                    k = rq_max(k, __shfl_xor_sync(0xFFFFFFFFu, k, 8));
+                    k = rq_max(k, __shfl_xor_sync(0xFFFFFFFFu, k, 16));
+                }
+                ck[j] = k;
+            }
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                if (!fail[e])
+                    continue;
+                const int j = jj + 4 * e, c = cl + j;
+                int key = ck[0];
+#pragma unroll
+                for (int i = 1; i < 8; i++)
+                    if (i == j)
+                        key = ck[i];
+                pv[e] = rq_block_exp(key);
+                rq_put_scale(p, tile, tile.c0 + c, tile.r0 + ((int64_t)g << p.bo_shift), pv[e] == RQ_BADP, pv[e]);
+            }
+        }
+
+        /* 2. codes, a column at a time into the shared transposed tile */
+        {
+            int rlo = 1000, rhi = -1000;
+#pragma unroll
+            for (int k = 0; k < 8; k++)
+                if (rq_pin_valid(pk[k])) {
+                    rlo = rq_min(rlo, pk[k]);
+                    rhi = rq_max(rhi, pk[k]);
+                }
+            if (rlo > rhi)
+                rlo = rhi = 0;
+            uint32_t Rp[4]; /* (p_in - rlo) << 10 of rows 2q, 2q + 1 (rlo for rows that hold nothing stored) */
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const int a = rq_pin_valid(pk[2 * q]) ? pk[2 * q] - rlo : 0;
+                const int c = rq_pin_valid(pk[2 * q + 1]) ? pk[2 * q + 1] - rlo : 0;
+                Rp[q] = ((uint32_t)a << 10) | ((uint32_t)c << 26);
+            }
+            const int lo = rhi - 15, hi = rlo + 14;
+            uint8_t *const tput = tsm + cl * RQT + rl;
+            /* the exponents of the lane's 8 columns' blocks, from the lanes that settled them */
+            int pjs[8];
+            bool fast = true;
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const int src = b128 ? (j << 1) | cg : ((4 * g + (j & 3)) << 1) | cg;
+                pjs[j] = __shfl_sync(0xFFFFFFFFu, (b128 || j < 4) ? pv[0] : pv[1], src);
+                fast = fast && pjs[j] >= lo && pjs[j] <= hi;
+            }
+            if (fast) {
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    const uint32_t Cc = (uint32_t)(rlo - pjs[j] + 15) << 10, C2 = Cc | (Cc << 16);
+                    uint32_t e[4];
+#pragma unroll
+                    for (int q = 0; q < 4; q++) {
+                        const uint32_t h = rqf_h2<TI>(col[j][q >> 1] >> (16 * (q & 1))), mh = Rp[q] + C2;
+                        const __half2 y = __hmul2(*(const __half2 *)&h, *(const __half2 *)&mh);
+                        e[q] = rqf_enc2<TO>(*(const uint32_t *)&y);
+                    }
+                    *(uint2 *)(tput + j * RQT) = make_uint2(e[0] | (e[1] << 16), e[2] | (e[3] << 16));
+                }
+            } else
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const int pj = pjs[j];
+                uint32_t A, B;
+                if (pj >= lo && pj <= hi) {
+                    const uint32_t Cc = (uint32_t)(rlo - pj + 15) << 10, C2 = Cc | (Cc << 16);
+                    uint32_t e[4];
+#pragma unroll
+                    for (int q = 0; q < 4; q++) {
+                        const uint32_t h = rqf_h2<TI>(col[j][q >> 1] >> (16 * (q & 1))), mh = Rp[q] + C2;
+                        const __half2 y = __hmul2(*(const __half2 *)&h, *(const __half2 *)&mh);
+                        e[q] = rqf_enc2<TO>(*(const uint32_t *)&y);
+                    }
+                    A = e[0] | (e[1] << 16);
+                    B = e[2] | (e[3] << 16);
+                } else if (pj == RQ_BADP) {
+                    A = B = fm_nan_word<TO>();
+                } else {
+                    const uint2 v = rqf_slow_col<TI, TO>(col[j][0], col[j][1], &pin_s[buf][b][rl], pj);
+                    A = v.x;
+                    B = v.y;
+                }
+                *(uint2 *)(tput + j * RQT) = make_uint2(A, B);
+            }
+        }
+        if (more)
+            rqf_store_scales(p, pin_s[buf ^ 1], qs[buf ^ 1], raw, ok);
+        __syncthreads();
+
+        /* 3. coalesced stores of the transposed tile */
+        rqf_store_tile<TO>(p, tsm, tile);
+
+        if (!more)
+            break;
+        t = tn;
+        slot = nslot;
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
 /* ---- row-wise conversions: a thread per 32-element row segment ------------
  * fm_convert_scaled between the row-block modes (1 x 128, MX32) when rows
  * split into whole segments (C a multiple of 32, of 128 for a 1 x 128
@@ -691,40 +1213,28 @@ __global__ void __launch_bounds__(RQTHREADS, 2) requant_tile_kernel(const rqpara
  *    codes are the largest FP8 magnitudes), so one LUT lookup replaces the
  *    tile kernel's lookup per element; the magnitudes' maximum is taken on
  *    16-bit lanes (VIMNMX.U16x2), two codes an instruction.
- *  - the codes: rq_encode_row, the tile kernel's arithmetic; for FP8 ->
- *    E2M1 with 2^(d - 6) a half-precision number, rq_fp8_e2m1x8 below. */
+ *  - the codes: rq_encode_row, the tile kernel's arithmetic; for an E2M1
+ *    output with 2^(d - 6) a half-precision number, rq_fp8_e2m1x8 below.
+ *  - an E2M1 input is first spread into the E4M3 codes of its values times
+ *    2^-6 (rq_e2m1_as_e4m3, exact), so that every input takes the FP8 path
+ *    (tests/test_scale_exp_rules checks the monotonicity). */
 
 #define RQS_THREADS 256
 
-/* Largest magnitude code among 4 FP8 codes per word (n words), or 8 E2M1
- * nibbles per word, via unsigned 16-bit maxima: a lane's maximum orders by
- * its masked high field first, so each field position keeps its own lane. */
-template <int TI, int NW>
+/* Largest magnitude code among 4 FP8 codes per word (NW words), via
+ * unsigned 16-bit maxima: a lane's maximum orders by its masked high byte
+ * first, so the high and low bytes are taken apart. */
+template <int NW>
 FM_DI int rq_max_mag(const uint32_t (&w)[NW])
 {
-    if (TI == FM_DTYPE_E2M1) {
-        uint32_t a = 0, b = 0, c = 0, d = 0;
+    uint32_t hi = 0, lo = 0;
 #pragma unroll
-        for (int i = 0; i < NW; i++) {
-            a = __vmaxu2(a, w[i] & 0x70007000u);
-            b = __vmaxu2(b, w[i] & 0x07000700u);
-            c = __vmaxu2(c, w[i] & 0x00700070u);
-            d = __vmaxu2(d, w[i] & 0x00070007u);
-        }
-        a = __vmaxu2(a >> 12, b >> 8);
-        c = __vmaxu2(c >> 4, d);
-        a = __vmaxu2(a, c);
-        return (int)max(a & 0xFFFFu, a >> 16);
-    } else {
-        uint32_t hi = 0, lo = 0;
-#pragma unroll
-        for (int i = 0; i < NW; i += 2) {
-            hi = __vimax3_u16x2(hi, w[i] & 0x7F007F00u, w[i + 1] & 0x7F007F00u);
-            lo = __vimax3_u16x2(lo, w[i] & 0x007F007Fu, w[i + 1] & 0x007F007Fu);
-        }
-        hi = __vmaxu2(hi >> 8, lo);
-        return (int)max(hi & 0xFFFFu, hi >> 16);
+    for (int i = 0; i < NW; i += 2) {
+        hi = __vimax3_u16x2(hi, w[i] & 0x7F007F00u, w[i + 1] & 0x7F007F00u);
+        lo = __vimax3_u16x2(lo, w[i] & 0x007F007Fu, w[i + 1] & 0x007F007Fu);
     }
+    hi = __vmaxu2(hi >> 8, lo);
+    return (int)max(hi & 0xFFFFu, hi >> 16);
 }
 
 /* 2^k as a half-precision number, k in [-24, 15] (subnormal below -14). */
@@ -787,13 +1297,7 @@ template <int BI, int BO>
 FM_DI void rq_put_scale_rows(const rqparams &p, int64_t te, int64_t r, int64_t c, int pv)
 {
     const int64_t off = rq_scale_off(p.out_mode, RQS_OUT_LAYOUT, p.R, p.C, p.nbo, RQS_BO_SHIFT, te * p.sout, r, c);
-    const int bad = pv == RQ_BADP;
-    if (RQS_OUT_E8)
-        ((uint8_t *)p.out_scale)[off] = bad ? (uint8_t)FM_E8M0_NAN : (uint8_t)(pv + 127);
-    else
-        ((float *)p.out_scale)[off] = bad ? fm_bits_f32(FM_F32_CANON_NAN) : fm_exp2i(pv);
-    if (bad && p.nonfinite)
-        atomicAdd(p.nonfinite, 1ull);
+    rq_store_scale(p, RQS_OUT_E8, off, pv == RQ_BADP, pv);
 }
 
 /* A segment's place, input scale bits and codes (zeros past the end),
@@ -854,13 +1358,13 @@ FM_DI void rq_e2m1_as_e4m3(uint32_t w, uint32_t *lo, uint32_t *hi)
 }
 
 /* Every lane of the warp calls (the shuffles of a 1 x 128 output block).
- * TI: the words' code dtype; X: the words are rq_e2m1_as_e4m3's of an E2M1
- * input (TI = E4M3, the LUT indexed by those bytes, 2^6 more in the
+ * TI: the words' FP8 code dtype; X: the words are rq_e2m1_as_e4m3's of an
+ * E2M1 input (TI = E4M3, the LUT indexed by those bytes, 2^6 more in the
  * multiplier: the same products, as rq_mult's clamps are far outside the
  * shifts an E2M1 value can take and keep a code). */
-template <int TI, int TO, int NW, bool X, int NWS, int BI, int BO>
+template <int TI, int TO, bool X, int NWS, int BI, int BO>
 FM_DI void rq_rows_segment(const rqparams &p, const int *lut, uint32_t sg, const rqseg<NWS> &g,
-                           const uint32_t (&w)[NW])
+                           const uint32_t (&w)[8])
 {
     const int lane = threadIdx.x & 31;
     const bool valid = sg < p.ntiles;
@@ -869,7 +1373,7 @@ FM_DI void rq_rows_segment(const rqparams &p, const int *lut, uint32_t sg, const
     int pin = 0, key = RQ_KEY_MIN;
     if (valid) {
         pin = rq_pin(g.raw, RQS_IN_E8);
-        key = lut[rq_max_mag<TI, NW>(w)] + pin;
+        key = lut[rq_max_mag<8>(w)] + pin;
     }
     if (RQS_BO == 128) {
         key = rq_max(key, __shfl_xor_sync(0xFFFFFFFFu, key, 1));
@@ -887,17 +1391,18 @@ FM_DI void rq_rows_segment(const rqparams &p, const int *lut, uint32_t sg, const
         for (int i = 0; i < (TO == FM_DTYPE_E2M1 ? 4 : 8); i++)
             o[i] = fm_nan_word<TO>();
     } else {
-        const int d = pin - pv;
-        if (TO == FM_DTYPE_E2M1 && TI != FM_DTYPE_E2M1 && d >= -18 && d <= 21) {
+        const int pw = X ? pin + 6 : pin; /* the exponent of the words' values */
+        const int d = pw - pv;
+        if (TO == FM_DTYPE_E2M1 && d >= -18 && d <= 21) {
             const uint32_t hm = rq_h2_pow2(d - 6);
 #pragma unroll
             for (int q = 0; q < 4; q++)
                 o[q] = rq_fp8_e2m1x8<TI>(w[2 * q], w[2 * q + 1], hm);
         } else {
-            const float m = rq_mult(X ? pin + 6 : pin, pv);
+            const float m = rq_mult(pw, pv);
 #pragma unroll
             for (int q = 0; q < 4; q++) {
-                const uint2 v = rq_encode_row<TI, TO>(&w[TI == FM_DTYPE_E2M1 ? q : 2 * q], m);
+                const uint2 v = rq_encode_row<TI, TO>(&w[2 * q], m);
                 if (TO == FM_DTYPE_E2M1) {
                     o[q] = v.x;
                 } else {
@@ -921,12 +1426,11 @@ FM_DI void rq_rows_segment(const rqparams &p, const int *lut, uint32_t sg, const
 template <int TI, int TO, int BI, int BO>
 __global__ void __launch_bounds__(RQS_THREADS) rq_rows_kernel(const rqparams p)
 {
-    constexpr bool X = TI == FM_DTYPE_E2M1 && TO != FM_DTYPE_E2M1; /* decoded as E4M3 (rq_e2m1_as_e4m3) */
-    constexpr int TC = X ? FM_DTYPE_E4M3 : TI;                      /* the codes rq_rows_segment sees */
-    constexpr int NMAG = TC == FM_DTYPE_E2M1 ? 8 : 128;
-    constexpr int NW = TI == FM_DTYPE_E2M1 ? 4 : 8; /* input words a segment */
-    __shared__ int lut[NMAG];
-    for (int i = threadIdx.x; i < NMAG; i += RQS_THREADS)
+    constexpr bool X = TI == FM_DTYPE_E2M1;      /* read as E4M3 codes (rq_e2m1_as_e4m3) */
+    constexpr int TC = X ? FM_DTYPE_E4M3 : TI;   /* the codes rq_rows_segment sees */
+    constexpr int NW = X ? 4 : 8;                /* input words a segment */
+    __shared__ int lut[128];
+    for (int i = threadIdx.x; i < 128; i += RQS_THREADS)
         lut[i] = X ? rq_code_key<TI, TO>((i >> 2) & 7, p.rule) : rq_code_key<TI, TO>(i, p.rule);
     __syncthreads();
 
@@ -943,14 +1447,14 @@ __global__ void __launch_bounds__(RQS_THREADS) rq_rows_kernel(const rqparams p)
         const bool more = nb < p.ntiles && nb > base;
         if (more)
             rq_rows_load<TI, NW, BI, BO>(p, nb + lane, gn);
-        if (X) {
+        if constexpr (X) {
             uint32_t e[8];
 #pragma unroll
             for (int i = 0; i < 4; i++)
                 rq_e2m1_as_e4m3(g.w[i], &e[2 * i], &e[2 * i + 1]);
-            rq_rows_segment<TC, TO, 8, X, NW, BI, BO>(p, lut, base + lane, g, e);
+            rq_rows_segment<TC, TO, X, NW, BI, BO>(p, lut, base + lane, g, e);
         } else {
-            rq_rows_segment<TC, TO, NW, X, NW, BI, BO>(p, lut, base + lane, g, g.w);
+            rq_rows_segment<TC, TO, X, NW, BI, BO>(p, lut, base + lane, g, g.w);
         }
         if (!more)
             break;
@@ -1088,18 +1592,50 @@ __global__ void __launch_bounds__(RQG_CHUNK) rq_group_table_kernel(rqgrp *dst, c
         dst[threadIdx.x] = c.e[threadIdx.x];
 }
 
+/* CTAs of `threads` a kernel keeps on one SM at once, asked once per kernel
+ * (*cache: the same on every sm_90 part; a relaxed race is benign). */
+template <typename K>
+static cudaError_t rq_ctas_per_sm(K kernel, int threads, size_t dyn_smem, int *cache, int *per)
+{
+    *per = __atomic_load_n(cache, __ATOMIC_RELAXED);
+    if (*per)
+        return cudaSuccess;
+    cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(per, kernel, threads, dyn_smem);
+    if (err == cudaSuccess)
+        __atomic_store_n(cache, *per, __ATOMIC_RELAXED);
+    return err;
+}
+
+/* Transposes between FP8 formats take rq_fp8t_kernel, everything else the
+ * tile kernel; a grid of the CTAs that fit at once. */
 template <int TI, int TO, int TR, bool G>
 static cudaError_t rq_launch3(const rqparams &p, int sms, cudaStream_t s)
 {
+    constexpr bool F = TR && TI != FM_DTYPE_E2M1 && TO != FM_DTYPE_E2M1;
+    static int cache = 0;
     int per = 0;
-    cudaError_t err =
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, requant_tile_kernel<TI, TO, TR, G>, RQTHREADS, 0);
+    cudaError_t err;
+    if constexpr (F) {
+        static int attr = 0; /* the dynamic shared memory above 48 KiB, allowed once */
+        if (!__atomic_load_n(&attr, __ATOMIC_RELAXED)) {
+            err = cudaFuncSetAttribute(rq_fp8t_kernel<TI, TO, G>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       RQF_DYN_SMEM);
+            if (err != cudaSuccess)
+                return err;
+            __atomic_store_n(&attr, 1, __ATOMIC_RELAXED);
+        }
+        err = rq_ctas_per_sm(rq_fp8t_kernel<TI, TO, G>, RQTHREADS, RQF_DYN_SMEM, &cache, &per);
+    } else
+        err = rq_ctas_per_sm(requant_tile_kernel<TI, TO, TR, G>, RQTHREADS, 0, &cache, &per);
     if (err != cudaSuccess)
         return err;
     int64_t g = (int64_t)(per > 0 ? per : 1) * (sms > 0 ? sms : 1);
     if (g > (int64_t)p.ntiles)
         g = p.ntiles;
-    requant_tile_kernel<TI, TO, TR, G><<<(unsigned)g, RQTHREADS, 0, s>>>(p);
+    if constexpr (F)
+        rq_fp8t_kernel<TI, TO, G><<<(unsigned)g, RQTHREADS, RQF_DYN_SMEM, s>>>(p);
+    else
+        requant_tile_kernel<TI, TO, TR, G><<<(unsigned)g, RQTHREADS, 0, s>>>(p);
     return cudaGetLastError();
 }
 
@@ -1162,15 +1698,11 @@ static int rq_rows_fit(const rqparams &p, int tr, int64_t E)
 template <int TI, int TO, int BI, int BO>
 static cudaError_t rq_rows_launch3(const rqparams &q, int64_t nseg, int sms, cudaStream_t s)
 {
-    static int cached = 0; /* CTAs an SM: the same on every sm_90 part, asked once (a relaxed race is benign) */
-    int per = __atomic_load_n(&cached, __ATOMIC_RELAXED);
-    if (!per) {
-        cudaError_t err =
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, rq_rows_kernel<TI, TO, BI, BO>, RQS_THREADS, 0);
-        if (err != cudaSuccess)
-            return err;
-        __atomic_store_n(&cached, per, __ATOMIC_RELAXED);
-    }
+    static int cache = 0;
+    int per = 0;
+    cudaError_t err = rq_ctas_per_sm(rq_rows_kernel<TI, TO, BI, BO>, RQS_THREADS, 0, &cache, &per);
+    if (err != cudaSuccess)
+        return err;
     const unsigned g = rq_grid(fm_cdiv(nseg, RQS_THREADS), (int64_t)(per > 0 ? per : 1) * (sms > 0 ? sms : 1));
     rq_rows_kernel<TI, TO, BI, BO><<<g, RQS_THREADS, 0, s>>>(q);
     return cudaGetLastError();
@@ -1305,6 +1837,7 @@ static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_
         p.vec_in = C % 8 == 0 && ia % 4 == 0;
     else
         p.vec_in = C % 8 == 0 && ia % 8 == 0;
+    p.vec_in16 = in->dtype != FM_DTYPE_E2M1 && C % 16 == 0 && ia % 16 == 0;
     /* Grouped: what the whole buffer allows; each group's tiles also need
      * their own row length and start aligned (rq_tile). */
     p.vo_align = out->dtype == FM_DTYPE_E2M1 ? 4 : 16;
