@@ -597,7 +597,7 @@ static fm_status ep_dispatch(fm_moe_layer *L, fm_tensor *in, const qbuf *recv, c
     fm_context *ctx = L->ctx;
     int64_t T = in->shape[0], H = L->cfg.hidden, k = L->cfg.topk;
     fm_status st;
-    fm_requant_config rq = {0};
+    fm_requant_config rq = {.trusted_pow2_scales = 1}; /* the layer's own POW2 scales */
     fm_ep_config ep = {.experts_per_rank = (int)L->El};
     fm_tensor send = *in, got;
     if (with_fp4) {
@@ -720,7 +720,7 @@ static fm_status forward(fm_moe_layer *L, const fm_moe_weights *w, const fm_tens
         /* The GEMM eats the FP8 rows; backward keeps them in MXFP4. */
         fm_tensor x4 = act4(L, &L->xp4, R, H);
         a_in = act8(L, &L->xp, R, H);
-        fm_requant_config rq = {0};
+        fm_requant_config rq = {.trusted_pow2_scales = 1}; /* the layer's own POW2 scales */
         if ((st = fm_convert_scaled(ctx, &rq, &a_in, &x4)))
             return st;
         saved += tensor_total(&x4);
@@ -825,7 +825,7 @@ static fm_status backward(fm_moe_layer *L, const fm_moe_weights *w, const fm_ten
     int64_t c0 = casts_now(ctx);
     fm_quant_config qc = {.rule = FM_SCALE_RULE_POW2};
     fm_gemm_config g0 = {0}, acc = {.accumulate = 1};
-    fm_requant_config rq = {0};
+    fm_requant_config rq = {.trusted_pow2_scales = 1}; /* the layer's own POW2 scales */
     fm_splits sp = {E, L->host_splits, (const int64_t *)L->splits.p};
     fm_tensor slot_rows = plain(L, &L->slot_rows, FM_DTYPE_I32, Rr, k);
     fm_tensor row_map = plain(L, &L->row_map, FM_DTYPE_I32, Rm, 1);

@@ -271,6 +271,11 @@ static void test_invalid_arguments_are_refused(fm_context *ctx)
     float keep = s[5];
     s[5] = keep * 1.5f;
     REFUSED(&sp, &in.t, &out, "power of two");
+    /* The CPU reference checks even when the caller vouches for the scales. */
+    fm_requant_config trusted = {.trusted_pow2_scales = 1};
+    CHECK(fm_transpose_scaled_grouped(ctx, &trusted, &sp, &in.t, &out) == FM_ERR_INVALID_ARG &&
+              strstr(fm_last_error(ctx), "power of two"),
+          "trusted_pow2_scales let a scale of 1.5 x 2^k through the CPU: %s", fm_last_error(ctx));
     s[5] = keep;
     int untouched = 1;
     for (size_t i = 0; i < od.n; i++)

@@ -197,44 +197,48 @@ typedef struct bcase {
     double target;           /* fraction of copy bandwidth asked for, 0 = none */
     fm_dtype out_elem;       /* transpose_scaled / convert_scaled: the output format */
     fm_scale_mode out_mode;
+    int trusted;             /* transpose / convert: cfg.trusted_pow2_scales (no check, no wait) */
 } bcase;
 
 static const bcase cases[] = {
-    {"quantize BF16->E4M3 1x128 row+col", OP_QUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0.90, 0, 0},
-    {"quantize BF16->E4M3 1x128 row", OP_QUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0, 0, 0},
-    {"quantize BF16->E4M3 1x128 row+col, GEMM scales", OP_QUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_GEMM, 1, 1, 0, 0, 0},
-    {"quantize BF16->E4M3 MX32 row", OP_QUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0.90, 0, 0},
-    {"quantize BF16->E4M3 MX32 row+col", OP_QUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0.90, 0, 0},
-    {"quantize BF16->E2M1 MX32 row", OP_QUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E2M1, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0.90, 0, 0},
-    {"quantize BF16->E2M1 MX32 row+col", OP_QUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E2M1, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0.90, 0, 0},
-    {"quantize BF16->E5M2 1x128 row+col", OP_QUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E5M2, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, 0, 0},
-    {"quantize BF16->E4M3 128x128 row+col", OP_QUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, 0, 0},
-    {"quantize BF16->E4M3 TENSOR row (amax pass + encode)", OP_QUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_TENSOR, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0, 0, 0},
-    {"quantize BF16->E4M3 ROW row (amax pass + encode)", OP_QUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_ROW, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0, 0, 0},
-    {"quantize F32->E4M3 1x128 row+col", OP_QUANT, 1, 16384, 7168, FM_DTYPE_F32, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, 0, 0},
-    {"quantize BF16->E4M3 1x128 row+col, 8 experts", OP_QUANT, 8, 4096, 2048, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, 0, 0},
-    {"dequantize E4M3 1x128 -> BF16", OP_DEQUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0.85, 0, 0},
-    {"dequantize E4M3 MX32 -> BF16", OP_DEQUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0.85, 0, 0},
-    {"dequantize E2M1 MX32 -> BF16", OP_DEQUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E2M1, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0.85, 0, 0},
-    {"dequantize E4M3 1x128 -> F32", OP_DEQUANT, 1, 32768, 7168, FM_DTYPE_F32, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0.85, 0, 0},
-    {"dequantize E4M3 1x128 colwise -> BF16 rowwise (transpose)", OP_DEQUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 0, 1, 0, 0, 0},
-    {"scale_layout_convert MX32 compact -> GEMM", OP_SLC, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_MX32, FM_SCALE_LAYOUT_GEMM, 1, 0, 0, 0, 0},
+    {"quantize BF16->E4M3 1x128 row+col", OP_QUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0.90, 0, 0, 0},
+    {"quantize BF16->E4M3 1x128 row", OP_QUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0, 0, 0, 0},
+    {"quantize BF16->E4M3 1x128 row+col, GEMM scales", OP_QUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_GEMM, 1, 1, 0, 0, 0, 0},
+    {"quantize BF16->E4M3 MX32 row", OP_QUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0.90, 0, 0, 0},
+    {"quantize BF16->E4M3 MX32 row+col", OP_QUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0.90, 0, 0, 0},
+    {"quantize BF16->E2M1 MX32 row", OP_QUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E2M1, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0.90, 0, 0, 0},
+    {"quantize BF16->E2M1 MX32 row+col", OP_QUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E2M1, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0.90, 0, 0, 0},
+    {"quantize BF16->E5M2 1x128 row+col", OP_QUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E5M2, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, 0, 0, 0},
+    {"quantize BF16->E4M3 128x128 row+col", OP_QUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, 0, 0, 0},
+    {"quantize BF16->E4M3 TENSOR row (amax pass + encode)", OP_QUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_TENSOR, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0, 0, 0, 0},
+    {"quantize BF16->E4M3 ROW row (amax pass + encode)", OP_QUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_ROW, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0, 0, 0, 0},
+    {"quantize F32->E4M3 1x128 row+col", OP_QUANT, 1, 16384, 7168, FM_DTYPE_F32, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, 0, 0, 0},
+    {"quantize BF16->E4M3 1x128 row+col, 8 experts", OP_QUANT, 8, 4096, 2048, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, 0, 0, 0},
+    {"dequantize E4M3 1x128 -> BF16", OP_DEQUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0.85, 0, 0, 0},
+    {"dequantize E4M3 MX32 -> BF16", OP_DEQUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0.85, 0, 0, 0},
+    {"dequantize E2M1 MX32 -> BF16", OP_DEQUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E2M1, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0.85, 0, 0, 0},
+    {"dequantize E4M3 1x128 -> F32", OP_DEQUANT, 1, 32768, 7168, FM_DTYPE_F32, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0.85, 0, 0, 0},
+    {"dequantize E4M3 1x128 colwise -> BF16 rowwise (transpose)", OP_DEQUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 0, 1, 0, 0, 0, 0},
+    {"scale_layout_convert MX32 compact -> GEMM", OP_SLC, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_MX32, FM_SCALE_LAYOUT_GEMM, 1, 0, 0, 0, 0, 0},
     /* Scaling-aware transpose and direct conversion on codes and exponents; inputs are
      * quantized (POW2 scales) activation-like data, outputs compact. The naive row does what
      * they replace: dequantize to BF16, then quantize column-wise (two ops, timed together). */
-    {"transpose_scaled E4M3 1x128 row->col", OP_TRANSPOSE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0.85, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128},
-    {"transpose_scaled_grouped E4M3 1x128 row->col, 8 experts of 128-row multiples", OP_TRANSPOSE_GROUPED128, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0.85, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128},
-    {"transpose_scaled_grouped E4M3 1x128 row->col, 8 ragged experts (not multiples of 16)", OP_TRANSPOSE_GROUPED, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128},
-    {"transpose_scaled E4M3 MX32 row->col", OP_TRANSPOSE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_MX32},
-    {"transpose_scaled E2M1 MX32 row->col", OP_TRANSPOSE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E2M1, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E2M1, FM_SCALE_MX32},
+    {"transpose_scaled E4M3 1x128 row->col", OP_TRANSPOSE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0.85, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 0},
+    {"transpose_scaled E4M3 1x128 row->col, trusted POW2 scales", OP_TRANSPOSE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 1},
+    {"transpose_scaled_grouped E4M3 1x128 row->col, 8 experts of 128-row multiples", OP_TRANSPOSE_GROUPED128, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0.85, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 0},
+    {"transpose_scaled_grouped E4M3 1x128 row->col, 8 experts of 128-row multiples, trusted POW2 scales (the layer's call)", OP_TRANSPOSE_GROUPED128, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 1},
+    {"transpose_scaled_grouped E4M3 1x128 row->col, 8 ragged experts (not multiples of 16)", OP_TRANSPOSE_GROUPED, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 0},
+    {"transpose_scaled E4M3 MX32 row->col", OP_TRANSPOSE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_MX32, 0},
+    {"transpose_scaled E2M1 MX32 row->col", OP_TRANSPOSE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E2M1, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E2M1, FM_SCALE_MX32, 0},
     /* From 1x128 (F32 scales) the op checks that every scale is a power of two and reads the
      * verdict back before it writes (a stream synchronisation, on the clock); from MX32 (E8M0)
      * there is nothing to check. */
-    {"convert_scaled E4M3 1x128 -> E2M1 MX32", OP_CONVERT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0.85, FM_DTYPE_E2M1, FM_SCALE_MX32},
-    {"convert_scaled E4M3 MX32 -> E2M1 MX32", OP_CONVERT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0.85, FM_DTYPE_E2M1, FM_SCALE_MX32},
-    {"convert_scaled E2M1 MX32 -> E4M3 1x128", OP_CONVERT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E2M1, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0.85, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128},
-    {"convert_scaled E2M1 MX32 -> E4M3 MX32", OP_CONVERT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E2M1, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0.85, FM_DTYPE_E4M3, FM_SCALE_MX32},
-    {"naive dequantize->requantize (BF16 round trip) E4M3 1x128 row->col", OP_NAIVE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128},
+    {"convert_scaled E4M3 1x128 -> E2M1 MX32", OP_CONVERT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0.85, FM_DTYPE_E2M1, FM_SCALE_MX32, 0},
+    {"convert_scaled E4M3 1x128 -> E2M1 MX32, trusted POW2 scales", OP_CONVERT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0, FM_DTYPE_E2M1, FM_SCALE_MX32, 1},
+    {"convert_scaled E4M3 MX32 -> E2M1 MX32", OP_CONVERT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0.85, FM_DTYPE_E2M1, FM_SCALE_MX32, 0},
+    {"convert_scaled E2M1 MX32 -> E4M3 1x128", OP_CONVERT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E2M1, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0.85, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 0},
+    {"convert_scaled E2M1 MX32 -> E4M3 MX32", OP_CONVERT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E2M1, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0.85, FM_DTYPE_E4M3, FM_SCALE_MX32, 0},
+    {"naive dequantize->requantize (BF16 round trip) E4M3 1x128 row->col", OP_NAIVE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 0},
 };
 #define NCASES (int)(sizeof cases / sizeof cases[0])
 
@@ -254,14 +258,15 @@ static void run_fn(void *p, int rep)
     run_arg *a = p;
     int k = rep % a->nrot;
     fm_status st;
+    const fm_requant_config rq = {.trusted_pow2_scales = a->c->trusted};
     if (a->c->op == OP_QUANT)
         st = fm_quantize(a->ctx, &a->qc, &a->in[k], a->c->row ? &a->qrow[k] : NULL, a->c->col ? &a->qcol[k] : NULL);
     else if (a->c->op == OP_TRANSPOSE)
-        st = fm_transpose_scaled(a->ctx, NULL, &a->qrow[k], &a->out[k]);
+        st = fm_transpose_scaled(a->ctx, &rq, &a->qrow[k], &a->out[k]);
     else if (is_grouped(a->c->op))
-        st = fm_transpose_scaled_grouped(a->ctx, NULL, splits_of(a->c->op), &a->qrow[k], &a->out[k]);
+        st = fm_transpose_scaled_grouped(a->ctx, &rq, splits_of(a->c->op), &a->qrow[k], &a->out[k]);
     else if (a->c->op == OP_CONVERT)
-        st = fm_convert_scaled(a->ctx, NULL, &a->qrow[k], &a->out[k]);
+        st = fm_convert_scaled(a->ctx, &rq, &a->qrow[k], &a->out[k]);
     else if (a->c->op == OP_NAIVE) {
         /* what the scaling-aware transpose replaces: codes -> BF16 -> column-wise codes */
         st = fm_dequantize(a->ctx, &a->qrow[k], &a->in[k]);

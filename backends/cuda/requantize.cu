@@ -1858,7 +1858,7 @@ static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_
     /* Scratch: the check's result, then the group table. */
     const size_t check_bytes = 64, table_bytes = sp ? (size_t)(sp->groups + 1) * sizeof(rqgrp) : 0;
     const int64_t nblocks = E * R * p.nbi;
-    const int check = !exact128 && !p.in_e8 && nblocks > 0;
+    const int check = !exact128 && !p.in_e8 && nblocks > 0 && !cfg->trusted_pow2_scales;
     if (check || sp) {
         st = fm_cuda_scratch(ctx, check_bytes + table_bytes, &buf, &owned, op);
         if (st) {

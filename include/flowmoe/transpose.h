@@ -31,6 +31,13 @@ typedef struct fm_requant_config {
     /* Optional, in the tensors' memory: output blocks that are non-finite
      * (an input NaN/Inf code or NaN scale reached them). */
     int64_t *nonfinite_blocks;
+    /* Nonzero: the caller vouches that every F32 input scale is a power of
+     * two (or NaN), as flowmoe's quantizers with a POW2 rule and its fused
+     * FP8 ops write them. The CUDA backend then skips its check of the
+     * scales, and with it the wait for the device that the check costs (a
+     * host synchronisation per call). A scale that breaks the promise is
+     * read as 1 there; the CPU backend checks regardless and refuses it. */
+    int trusted_pow2_scales;
 } fm_requant_config;
 
 /* Scaling-aware transpose: `in` row-wise (or column-wise) quantized with
