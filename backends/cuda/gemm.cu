@@ -316,6 +316,7 @@ typedef struct repack_job {
     float *dst;
     int64_t sR, sC, r0, R, C;
     int64_t n0; /* the job's first index in the batch */
+    int64_t t0; /* BLOCK_1x128: its first 32 x 32 tile in the batch */
 } repack_job;
 
 typedef struct repack_batch {
@@ -323,7 +324,43 @@ typedef struct repack_batch {
     int count;
     int mode, sl;
     int64_t total; /* entries over the batch */
+    int64_t tiles; /* BLOCK_1x128: tiles over the batch */
 } repack_batch;
+
+/* BLOCK_1x128, the common case (every activation operand of a grouped GEMM):
+ * dst[cb][r] (rows padded to R4) = src scale of row r0 + r, column block cb,
+ * a transpose of the compact [row][block] array. Through a 32 x 32 shared
+ * tile, so that both the reads (along a row's blocks) and the writes (along
+ * the rows) are coalesced; the entry-per-thread kernel below read with a
+ * stride of a whole row and divided 64-bit indices per entry. */
+__global__ void __launch_bounds__(256) repack_1x128(const repack_batch b)
+{
+    __shared__ float tile[32][33];
+    const int64_t tb = blockIdx.x;
+    int q = 0; /* the last job starting at or before this tile */
+    for (int t = 1; t < b.count; t++)
+        q = b.j[t].t0 <= tb ? t : q;
+    const repack_job &jb = b.j[q];
+    const int64_t R = jb.R, R4 = fm_round_up(R, 4), nk = fm_cdiv(jb.C, 128);
+    const uint32_t tt = (uint32_t)(tb - jb.t0), nbc = (uint32_t)fm_cdiv(nk, 32);
+    const uint32_t tr = tt / nbc, tc = tt - tr * nbc;
+    const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int64_t r = (int64_t)tr * 32 + ty + 8 * i, cb = (int64_t)tc * 32 + tx;
+        float v = 1.0f;
+        if (r < R && cb < nk)
+            v = jb.src[fm_scale_offset(FM_SCALE_BLOCK_1x128, (fm_scale_layout)b.sl, jb.sR, jb.sC, jb.r0 + r, cb * 128)];
+        tile[ty + 8 * i][tx] = v;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int64_t cb = (int64_t)tc * 32 + ty + 8 * i, r = (int64_t)tr * 32 + tx;
+        if (cb < nk && r < R4)
+            jb.dst[cb * R4 + r] = tile[tx][ty + 8 * i];
+    }
+}
 
 __global__ void repack_scales(const repack_batch b)
 {
@@ -368,15 +405,23 @@ static size_t repack_bytes(fm_scale_mode m, int64_t R, int64_t C)
     return (size_t)fm_round_up(lt_scale_count(m, R, C) * 4, 256);
 }
 
+static void repack_init(repack_batch *b)
+{
+    b->count = 0;
+    b->total = 0;
+    b->tiles = 0;
+}
+
 static fm_status repack_flush(fm_context *ctx, repack_batch *b)
 {
     if (b->count == 0)
         return FM_OK;
     const int64_t total = b->total;
-    if (total > 0)
+    if (total > 0 && b->mode == FM_SCALE_BLOCK_1x128)
+        repack_1x128<<<(unsigned)b->tiles, 256, 0, fm_cuda_stream(ctx)>>>(*b);
+    else if (total > 0)
         repack_scales<<<(unsigned)fm_cdiv(total, 256), 256, 0, fm_cuda_stream(ctx)>>>(*b);
-    b->count = 0;
-    b->total = 0;
+    repack_init(b);
     return total > 0 ? fm_cuda_check_launch(ctx, "repack_scales") : FM_OK;
 }
 
@@ -394,9 +439,11 @@ static fm_status repack_add(fm_context *ctx, repack_batch *b, const float *src, 
         return st;
     b->mode = (int)mode;
     b->sl = (int)sl;
-    b->j[b->count] = (repack_job){src, dst, sR, sC, r0, R, C, b->total};
+    b->j[b->count] = (repack_job){src, dst, sR, sC, r0, R, C, b->total, b->tiles};
     b->count++;
     b->total += n;
+    if (mode == FM_SCALE_BLOCK_1x128)
+        b->tiles += fm_cdiv(fm_round_up(R, 4), 32) * fm_cdiv(fm_cdiv(C, 128), 32);
     return b->count == REPACK_BATCH ? repack_flush(ctx, b) : FM_OK;
 }
 
@@ -404,8 +451,7 @@ static fm_status repack(fm_context *ctx, const float *src, fm_scale_mode mode, f
                         int64_t sC, int64_t r0, float *dst, int64_t R, int64_t C)
 {
     repack_batch b;
-    b.count = 0;
-    b.total = 0;
+    repack_init(&b);
     fm_status st = repack_add(ctx, &b, src, mode, sl, sR, sC, r0, dst, R, C);
     return st ? st : repack_flush(ctx, &b);
 }
@@ -703,8 +749,8 @@ extern "C" fm_status fm_cuda_grouped_gemm(fm_context *ctx, const fm_gemm_config 
     int64_t db = fm_dtype_bits(d->dtype) / 8;
     repack_batch rb[2]; /* A's and B's repacks (4 KiB of stack) */
     repack_batch *ba = &rb[0], *bbt = &rb[1];
-    ba->count = bbt->count = 0;
-    ba->total = bbt->total = 0;
+    repack_init(ba);
+    repack_init(bbt);
     int64_t bsc = b->scale_mode ? fm_scale_count_2d(b->scale_mode, b->scale_layout, N, K) : 0;
     for (int64_t e = 0; e < E && !st; e++) {
         int64_t m = splits->host[e];
@@ -806,8 +852,8 @@ extern "C" fm_status fm_cuda_grouped_gemm_wgrad(fm_context *ctx, const fm_gemm_c
     int64_t ab = fm_dtype_bits(dy->dtype) / 8, bb = fm_dtype_bits(x->dtype) / 8, db = fm_dtype_bits(dw->dtype) / 8;
     repack_batch rb[2]; /* dY's and X's repacks (4 KiB of stack) */
     repack_batch *bdy = &rb[0], *bx = &rb[1];
-    bdy->count = bx->count = 0;
-    bdy->total = bx->total = 0;
+    repack_init(bdy);
+    repack_init(bx);
     for (int64_t e = 0; e < E && !st; e++) {
         int64_t m = splits->host[e];
         char *de = (char *)dw->data + e * N * K * db;
