@@ -46,7 +46,12 @@
  * block (in the CPU's order) whose scale is not, and the host reads that one
  * result back (one 16-byte copy and a stream synchronisation) before
  * anything is written, so a refused call leaves every output untouched.
- * E8M0 scales need no check, and then the op never waits for the device.
+ * E8M0 scales need no check, nor do scales the caller vouches for
+ * (cfg->trusted_pow2_scales), and then the op never waits for the device.
+ *
+ * The tile kernel below serves conversions and the transposes with an E2M1
+ * side; FP8 -> FP8 transposes take rq_fp8t_kernel (further down), and
+ * conversions between row-block modes the row-segment kernel.
  * GEMM-layout padding entries get 1.0 (E8M0 127) from a separate kernel.
  * BLOCK_128x128 -> BLOCK_128x128 is an exact transpose of codes and scale
  * grid (no check, no re-rounding, nonfinite count 0), as on the CPU. */
