@@ -305,10 +305,8 @@ FM_DI void rq_load_codes(const rqparams &p, uint32_t t, uint32_t (&cw)[8][rq_wor
 /* The tile's input scales: entry idx = tid + 256 h covers tile row idx & 127,
  * input block idx >> 7 of the tile. Raw bits now, exponents at the store,
  * so the loads of the next tile overlap the current one. */
-template <bool G>
-FM_DI void rq_load_scales(const rqparams &p, uint32_t t, uint32_t (&raw)[2], int *ok)
+FM_DI void rq_load_scales_at(const rqparams &p, const rqtile &tile, uint32_t (&raw)[2], int *ok)
 {
-    const rqtile tile = rq_tile<G>(p, t);
     const int nbt = RQT >> p.bi_shift;
     *ok = 0;
 #pragma unroll
@@ -323,6 +321,12 @@ FM_DI void rq_load_scales(const rqparams &p, uint32_t t, uint32_t (&raw)[2], int
             *ok |= 1 << h;
         }
     }
+}
+
+template <bool G>
+FM_DI void rq_load_scales(const rqparams &p, uint32_t t, uint32_t (&raw)[2], int *ok)
+{
+    rq_load_scales_at(p, rq_tile<G>(p, t), raw, ok);
 }
 
 FM_DI void rq_store_scales(const rqparams &p, int (*pin_s)[RQT], const uint32_t (&raw)[2], int ok)
@@ -850,25 +854,6 @@ FM_DI void rqf_fill_stage(const rqparams &p, uint32_t t, const rqtile &tl, uint8
     }
 }
 
-/* rq_load_scales with the tile's place given. */
-FM_DI void rqf_load_scales(const rqparams &p, const rqtile &tl, uint32_t (&raw)[2], int *ok)
-{
-    const int nbt = RQT >> p.bi_shift;
-    *ok = 0;
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int idx = threadIdx.x + h * RQTHREADS, row = idx & (RQT - 1), b = idx >> 7;
-        const int64_t r = tl.r0 + row, c = tl.c0 + ((int64_t)b << p.bi_shift);
-        raw[h] = 0;
-        if (b < nbt && r < tl.R && c < p.C) {
-            const int64_t off =
-                rq_scale_off(p.in_mode, p.in_layout, p.R, p.C, p.nbi, p.bi_shift, tl.sin0, tl.srow + r, c);
-            raw[h] = p.in_e8 ? (uint32_t)((const uint8_t *)p.in_scale)[off] : ((const uint32_t *)p.in_scale)[off];
-            *ok |= 1 << h;
-        }
-    }
-}
-
 /* The transposed tile out of shared memory ([tile column][tile row], 128
  * bytes a column, no swizzle): output row c0 + c, 16 bytes a thread. */
 template <int TO>
@@ -971,7 +956,7 @@ __global__ void __launch_bounds__(RQTHREADS, 3) rq_fp8t_kernel(const rqparams p)
                 tl_s[i] = tl;
             rqf_fill_stage<TI, G>(p, ti, tl, rqf_dyn + i * RQT * RQT);
             if (i == 0)
-                rqf_load_scales(p, tl, raw, &ok);
+                rq_load_scales_at(p, tl, raw, &ok);
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     }
@@ -995,7 +980,7 @@ __global__ void __launch_bounds__(RQTHREADS, 3) rq_fp8t_kernel(const rqparams p)
         if (tid < RQF_NQ)
             qs[buf ^ 1][tid] = RQ_EMPTY;
         if (more)
-            rqf_load_scales(p, tl_s[nslot], raw, &ok);
+            rq_load_scales_at(p, tl_s[nslot], raw, &ok);
 
         /* the lane's 8 x 8 codes by columns: col[j][0] rows 0-3, col[j][1] rows 4-7 */
         uint32_t col[8][2];
