@@ -877,13 +877,27 @@ FM_DI void rqf_store_tile(const rqparams &p, const uint8_t *tsm, const rqtile &t
         uint8_t *dst = tl.out + sr * tl.Co + sc;
         if (tl.vec_out) {
             __stcs((uint4 *)dst, val);
-        } else {
-            const uint32_t wd[4] = {val.x, val.y, val.z, val.w};
-#pragma unroll
-            for (int b = 0; b < 16; b++)
-                if (sc + b < tl.Co)
-                    dst[b] = (uint8_t)(wd[b >> 2] >> (8 * (b & 3)));
+            continue;
         }
+        /* A group whose row length is not a multiple of 16 (its rows start
+         * anywhere): the widest stores the address allows, bytes at the end. */
+        const int n = tl.Co - sc < 16 ? (int)(tl.Co - sc) : 16;
+        const uintptr_t a = (uintptr_t)dst;
+        const uint32_t wd[4] = {val.x, val.y, val.z, val.w};
+        if (n == 16 && a % 8 == 0) {
+            __stcs((uint2 *)dst, make_uint2(val.x, val.y));
+            __stcs((uint2 *)(dst + 8), make_uint2(val.z, val.w));
+            continue;
+        }
+        const int nw = a % 4 == 0 ? n >> 2 : 0; /* whole words stored as words */
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            if (k < nw)
+                __stcs((unsigned int *)(dst + 4 * k), wd[k]);
+#pragma unroll
+        for (int b = 0; b < 16; b++)
+            if (b >= 4 * nw && b < n)
+                dst[b] = (uint8_t)(wd[b >> 2] >> (8 * (b & 3)));
     }
 }
 
