@@ -931,22 +931,27 @@ static __device__ __noinline__ uint2 rqf_slow_col(uint32_t c0, uint32_t c1, cons
     return make_uint2(e[0] | (e[1] << 16), e[2] | (e[3] << 16));
 }
 
-#define RQF_STAGES 3
-#define RQF_DYN_SMEM ((RQF_STAGES + 1) * RQT * RQT) /* the input stages, then the transposed tile */
+/* Input stages in flight: the plain form keeps 4 (2 CTAs an SM), the
+ * grouped form 3 (3 CTAs an SM): measured best each (S9, after S9-11:
+ * 4 stages gave the plain transpose 70 -> 74% of copy, the grouped one
+ * 66 -> 60%). Dynamic shared memory: the stages, then the transposed tile. */
+#define RQF_STAGES(G) ((G) ? 3 : 4)
+#define RQF_DYN_SMEM(G) ((RQF_STAGES(G) + 1) * RQT * RQT)
 
 /* Lane l of warp w: rows 8 rg .. 8 rg + 7 (rg = l / 2) of tile columns
  * 16 w + 8 cg .. + 7 (cg = l % 2), so a warp holds whole output blocks
  * (128 or 32 rows of its 16 columns): the column keys reduce by shuffles
  * and a tile needs two barriers (its stage in, its transposed tile out). */
 template <int TI, int TO, bool G>
-__global__ void __launch_bounds__(RQTHREADS, 3) rq_fp8t_kernel(const rqparams p)
+__global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqparams p)
 {
+    constexpr int S = RQF_STAGES(G);
     extern __shared__ __align__(16) uint8_t rqf_dyn[];
     __shared__ __align__(16) int pin_s[2][4][RQT];
     __shared__ int qs[2][RQF_NQ];
     __shared__ uint32_t flut[RQF_NLUT];
-    __shared__ rqtile tl_s[RQF_STAGES]; /* tile places, by iteration mod 3 */
-    uint8_t *const tsm = rqf_dyn + RQF_STAGES * RQT * RQT;
+    __shared__ rqtile tl_s[S]; /* tile places, by stage */
+    uint8_t *const tsm = rqf_dyn + S * RQT * RQT;
 
     const int tid = threadIdx.x, w = tid >> 5, l = tid & 31, rg = l >> 1, cg = l & 1;
     const int rl = rg * 8, cl = w * 16 + cg * 8;
@@ -960,9 +965,9 @@ __global__ void __launch_bounds__(RQTHREADS, 3) rq_fp8t_kernel(const rqparams p)
         qs[0][tid] = RQ_EMPTY;
     if (tid < RQF_NLUT)
         flut[tid] = rqf_factor_bits(tid);
-    /* Tiles t and t + grid into stages 0 and 1 (a cp.async group each, empty past the end). */
+    /* Tiles t .. t + (S - 2) grid into stages 0 .. S - 2 (a cp.async group each, empty past the end). */
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < S - 1; i++) {
         const uint32_t ti = t + i * gridDim.x;
         if (ti < p.ntiles && ti >= t) {
             const rqtile tl = rq_tile<G>(p, ti);
@@ -978,17 +983,18 @@ __global__ void __launch_bounds__(RQTHREADS, 3) rq_fp8t_kernel(const rqparams p)
     rqf_store_scales(p, pin_s[0], qs[0], raw, ok);
 
     for (int buf = 0, slot = 0; t < p.ntiles; buf ^= 1) {
-        const int nslot = slot == 2 ? 0 : slot + 1, n2slot = nslot == 2 ? 0 : nslot + 1;
-        const uint32_t tn = t + gridDim.x, tn2 = tn + gridDim.x;
-        const bool more = tn < p.ntiles && tn > t, more2 = more && tn2 < p.ntiles && tn2 > tn;
+        const int nslot = slot == S - 1 ? 0 : slot + 1, fslot = slot == 0 ? S - 1 : slot - 1;
+        const uint32_t tn = t + gridDim.x;
+        const uint64_t tf = (uint64_t)t + (uint64_t)(S - 1) * gridDim.x; /* the tile whose stage is filled now */
+        const bool more = tn < p.ntiles && tn > t;
         /* Tile t's stage complete and visible; every thread is past the last tile. */
-        asm volatile("cp.async.wait_group 1;" ::: "memory");
+        asm volatile("cp.async.wait_group %0;" ::"n"(S - 2) : "memory");
         __syncthreads();
-        if (more2) {
-            const rqtile tl = rq_tile<G>(p, tn2);
+        if (tf < p.ntiles) {
+            const rqtile tl = rq_tile<G>(p, (uint32_t)tf);
             if (tid == 0)
-                tl_s[n2slot] = tl;
-            rqf_fill_stage<TI, G>(p, tn2, tl, rqf_dyn + n2slot * RQT * RQT);
+                tl_s[fslot] = tl;
+            rqf_fill_stage<TI, G>(p, (uint32_t)tf, tl, rqf_dyn + fslot * RQT * RQT);
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
         if (tid < RQF_NQ)
@@ -1623,12 +1629,12 @@ static cudaError_t rq_launch3(const rqparams &p, int sms, cudaStream_t s)
         static int attr = 0; /* the dynamic shared memory above 48 KiB, allowed once */
         if (!__atomic_load_n(&attr, __ATOMIC_RELAXED)) {
             err = cudaFuncSetAttribute(rq_fp8t_kernel<TI, TO, G>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       RQF_DYN_SMEM);
+                                       RQF_DYN_SMEM(G));
             if (err != cudaSuccess)
                 return err;
             __atomic_store_n(&attr, 1, __ATOMIC_RELAXED);
         }
-        err = rq_ctas_per_sm(rq_fp8t_kernel<TI, TO, G>, RQTHREADS, RQF_DYN_SMEM, &cache, &per);
+        err = rq_ctas_per_sm(rq_fp8t_kernel<TI, TO, G>, RQTHREADS, RQF_DYN_SMEM(G), &cache, &per);
     } else
         err = rq_ctas_per_sm(requant_tile_kernel<TI, TO, TR, G>, RQTHREADS, 0, &cache, &per);
     if (err != cudaSuccess)
@@ -1637,7 +1643,7 @@ static cudaError_t rq_launch3(const rqparams &p, int sms, cudaStream_t s)
     if (g > (int64_t)p.ntiles)
         g = p.ntiles;
     if constexpr (F)
-        rq_fp8t_kernel<TI, TO, G><<<(unsigned)g, RQTHREADS, RQF_DYN_SMEM, s>>>(p);
+        rq_fp8t_kernel<TI, TO, G><<<(unsigned)g, RQTHREADS, RQF_DYN_SMEM(G), s>>>(p);
     else
         requant_tile_kernel<TI, TO, TR, G><<<(unsigned)g, RQTHREADS, 0, s>>>(p);
     return cudaGetLastError();
