@@ -901,6 +901,22 @@ FM_DI void rqf_store_tile(const rqparams &p, const uint8_t *tsm, const rqtile &t
     }
 }
 
+/* The maximum over the lanes holding one output block's rows (the row
+ * group is lane bits 1-2 for a 32-row block, 1-4 for a 128-row one): of
+ * 16-bit pairs (PAIRS), or of signed keys. */
+template <bool PAIRS>
+FM_DI uint32_t rqf_block_max(uint32_t v, bool b128)
+{
+#pragma unroll
+    for (int s = 2; s <= 16; s <<= 1) {
+        if (s >= 8 && !b128)
+            break;
+        const uint32_t o = __shfl_xor_sync(0xFFFFFFFFu, v, s);
+        v = PAIRS ? __vmaxu2(v, o) : (uint32_t)rq_max((int)v, (int)o);
+    }
+    return v;
+}
+
 /* The rare paths, out of line (the kernel's loop stays small in the
  * instruction cache). A column's 8 codes (rows 0-3, 4-7) and the rows'
  * input exponents (shared memory): the CPU's key of its block maximum, ... */
@@ -1052,15 +1068,9 @@ __global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqp
             }
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                uint32_t v = __vmaxu2(__byte_perm(m[2 * i], m[2 * i + 1], 0x5410),
-                                      __byte_perm(m[2 * i], m[2 * i + 1], 0x7632));
-                v = __vmaxu2(v, __shfl_xor_sync(0xFFFFFFFFu, v, 2));
-                v = __vmaxu2(v, __shfl_xor_sync(0xFFFFFFFFu, v, 4));
-                if (b128) {
-                    v = __vmaxu2(v, __shfl_xor_sync(0xFFFFFFFFu, v, 8));
-                    v = __vmaxu2(v, __shfl_xor_sync(0xFFFFFFFFu, v, 16));
-                }
-                kp[i] = v;
+                kp[i] = rqf_block_max<true>(__vmaxu2(__byte_perm(m[2 * i], m[2 * i + 1], 0x5410),
+                                                     __byte_perm(m[2 * i], m[2 * i + 1], 0x7632)),
+                                            b128);
             }
         }
 
@@ -1104,14 +1114,8 @@ __global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqp
             int ck[8];
 #pragma unroll
             for (int j = 0; j < 8; j++) {
-                int k = rqf_exact_key<TI, TO>(col[j][0], col[j][1], &pin_s[buf][b][rl], p.rule);
-                k = rq_max(k, __shfl_xor_sync(0xFFFFFFFFu, k, 2));
-                k = rq_max(k, __shfl_xor_sync(0xFFFFFFFFu, k, 4));
-                if (b128) {
-                    k = rq_max(k, __shfl_xor_sync(0xFFFFFFFFu, k, 8));
-                    k = rq_max(k, __shfl_xor_sync(0xFFFFFFFFu, k, 16));
-                }
-                ck[j] = k;
+                ck[j] = (int)rqf_block_max<false>(
+                    (uint32_t)rqf_exact_key<TI, TO>(col[j][0], col[j][1], &pin_s[buf][b][rl], p.rule), b128);
             }
 #pragma unroll
             for (int e = 0; e < 2; e++) {
