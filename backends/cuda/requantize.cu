@@ -696,32 +696,38 @@ __global__ void __launch_bounds__(RQTHREADS, 2) requant_tile_kernel(const rqpara
 }
 
 /* ---- FP8 -> FP8 transposes: keys and codes in half precision --------------
- * The tile kernel's plan (tiles, the thread's 8 x 8 sub-tile, the shared
- * transposed tile and its stores), for E4M3 / E5M2 in and out, with the work
- * per element cut to a few instructions a pair of codes:
- *  - the sub-tile is transposed in registers first (PRMT), so that a 16-bit
- *    half holds two rows of one column: the unit both cvt directions take.
+ * The tile kernel's 128 x 128 tiles and rules, for E4M3 / E5M2 in and out,
+ * with the work per element cut to a few instructions a pair of codes and
+ * the tile's trips through memory reorganised:
+ *  - input tiles come into shared stages by cp.async (zero-filled outside
+ *    the matrix), several tiles ahead; a warp owns 16 tile columns and its
+ *    lane 8 rows x 8 of them, so each output block's rows sit in one warp
+ *    (keys reduce by shuffles) and a tile needs two barriers;
+ *  - the lane's 8 x 8 codes are transposed in registers (PRMT), so that a
+ *    16-bit half holds two rows of one column: the unit both cvt
+ *    directions take; codes go out through a shared [column][row] tile in
+ *    16-byte stores.
  *  - keys: |value| x 2^(p_in - Q) in half precision (HMUL2), Q the largest
  *    valid input exponent of the tile, and maxima on the bits (VIMNMX.U16x2:
  *    magnitudes order as integers). A zero stays 0, NaN / Inf stay above
  *    every finite value, and the column maximum K is exactly the block's
- *    amax times 2^-Q whenever K >= RQF_THR: products of 2^-21 and more are
+ *    amax times 2^-Q whenever K >= rqf_thr: products of 2^-21 and more are
  *    exact (an FP8 value has at most 4 significant bits), a smaller product
  *    rounds to at most 2^-21, and a row more than 24 octaves below Q (no
- *    half-precision factor: 0) holds values below RQF_THR. The block
+ *    half-precision factor: 0) holds values below rqf_thr. The block
  *    exponent is the rule applied to K, plus Q (the rules commute with
  *    power-of-two shifts, format.h). If a block of the tile has K below
- *    RQF_THR (a zero column, or only tiny values), those blocks take the
+ *    rqf_thr (a zero column, or only tiny values), those blocks take the
  *    CPU's keys element by element (rq_code_key): rare and exact.
  *  - codes: code x 2^(p_in - p_out) in half precision, rounded by
  *    cvt.rn.satfinite.{e4m3,e5m2}x2.f16x2. Exact wherever the product is at
  *    least 2^-14; a smaller one may round in half precision, but below half
  *    the output's smallest subnormal it ends as a signed zero either way,
  *    as the F32 product does. The multipliers of two rows are one integer
- *    add when every d of the thread's rows and the column lies in [-14, 15];
+ *    add when every d of the lane's rows and the column lies in [-14, 15];
  *    otherwise the column takes F32 and rq_mult, as the tile kernel does. */
 
-#define RQF_FAIL 2000 /* pout_s entry of a block whose K is below RQF_THR */
+#define RQF_FAIL 2000 /* block exponent slot of a block whose K is below rqf_thr */
 #define RQF_NQ 17     /* per tile: its largest valid input exponent, then per (row group, input block) */
 
 template <int TI>
