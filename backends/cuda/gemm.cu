@@ -381,11 +381,7 @@ __global__ void repack_scales(const repack_batch b)
     if (mode == FM_SCALE_ROW) {
         r = k;
         c = 0;
-    } else if (mode == FM_SCALE_BLOCK_1x128) {
-        const int64_t R4 = fm_round_up(R, 4);
-        r = k % R4;
-        c = (k / R4) * 128;
-    } else { /* BLOCK_128x128 */
+    } else { /* BLOCK_128x128 (BLOCK_1x128 batches go to repack_1x128) */
         const int64_t nk4 = fm_round_up(fm_cdiv(C, 128), 4);
         r = (k / nk4) * 128;
         c = (k % nk4) * 128;

@@ -923,6 +923,24 @@ FM_DI uint32_t rqf_block_max(uint32_t v, bool b128)
     return v;
 }
 
+/* A column's 8 codes in the common case (every row's d = p_in - p_out in
+ * [-14, 15]): the packed half-precision multiplier 2^d of rows 2q, 2q + 1
+ * is Rp[q] (their p_in - rlo) plus the column's (rlo - p_out + 15), one
+ * integer add, then one HMUL2 and one saturating cvt a pair. */
+template <int TI, int TO>
+FM_DI uint2 rqf_fast_col(uint32_t c0, uint32_t c1, const uint32_t (&Rp)[4], int rlo, int pout)
+{
+    const uint32_t Cc = (uint32_t)(rlo - pout + 15) << 10, C2 = Cc | (Cc << 16);
+    uint32_t e[4];
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        const uint32_t h = rqf_h2<TI>((q < 2 ? c0 : c1) >> (16 * (q & 1))), mh = Rp[q] + C2;
+        const __half2 y = __hmul2(*(const __half2 *)&h, *(const __half2 *)&mh);
+        e[q] = rqf_enc2<TO>(*(const uint32_t *)&y);
+    }
+    return make_uint2(e[0] | (e[1] << 16), e[2] | (e[3] << 16));
+}
+
 /* The rare paths, out of line (the kernel's loop stays small in the
  * instruction cache). A column's 8 codes (rows 0-3, 4-7) and the rows'
  * input exponents (shared memory): the CPU's key of its block maximum, ... */
@@ -1169,41 +1187,20 @@ __global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqp
             }
             if (fast) {
 #pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    const uint32_t Cc = (uint32_t)(rlo - pjs[j] + 15) << 10, C2 = Cc | (Cc << 16);
-                    uint32_t e[4];
-#pragma unroll
-                    for (int q = 0; q < 4; q++) {
-                        const uint32_t h = rqf_h2<TI>(col[j][q >> 1] >> (16 * (q & 1))), mh = Rp[q] + C2;
-                        const __half2 y = __hmul2(*(const __half2 *)&h, *(const __half2 *)&mh);
-                        e[q] = rqf_enc2<TO>(*(const uint32_t *)&y);
-                    }
-                    *(uint2 *)(tput + j * RQT) = make_uint2(e[0] | (e[1] << 16), e[2] | (e[3] << 16));
-                }
+                for (int j = 0; j < 8; j++)
+                    *(uint2 *)(tput + j * RQT) = rqf_fast_col<TI, TO>(col[j][0], col[j][1], Rp, rlo, pjs[j]);
             } else
 #pragma unroll
             for (int j = 0; j < 8; j++) {
                 const int pj = pjs[j];
-                uint32_t A, B;
-                if (pj >= lo && pj <= hi) {
-                    const uint32_t Cc = (uint32_t)(rlo - pj + 15) << 10, C2 = Cc | (Cc << 16);
-                    uint32_t e[4];
-#pragma unroll
-                    for (int q = 0; q < 4; q++) {
-                        const uint32_t h = rqf_h2<TI>(col[j][q >> 1] >> (16 * (q & 1))), mh = Rp[q] + C2;
-                        const __half2 y = __hmul2(*(const __half2 *)&h, *(const __half2 *)&mh);
-                        e[q] = rqf_enc2<TO>(*(const uint32_t *)&y);
-                    }
-                    A = e[0] | (e[1] << 16);
-                    B = e[2] | (e[3] << 16);
-                } else if (pj == RQ_BADP) {
-                    A = B = fm_nan_word<TO>();
-                } else {
-                    const uint2 v = rqf_slow_col<TI, TO>(col[j][0], col[j][1], &pin_s[buf][b][rl], pj);
-                    A = v.x;
-                    B = v.y;
-                }
-                *(uint2 *)(tput + j * RQT) = make_uint2(A, B);
+                uint2 v;
+                if (pj >= lo && pj <= hi)
+                    v = rqf_fast_col<TI, TO>(col[j][0], col[j][1], Rp, rlo, pj);
+                else if (pj == RQ_BADP)
+                    v = make_uint2(fm_nan_word<TO>(), fm_nan_word<TO>());
+                else
+                    v = rqf_slow_col<TI, TO>(col[j][0], col[j][1], &pin_s[buf][b][rl], pj);
+                *(uint2 *)(tput + j * RQT) = v;
             }
         }
         if (more)
