@@ -1982,8 +1982,9 @@ static void xv_moe_swiglu_backward(xv_env *x, xv_counts *cnt)
  * E4M3 step is 1/16 to 1/8 of the value, an E2M1 step up to 1/3), so 3e-2,
  * and 4e-2 for fp8-flow-fp4: 144 cases over three seeds (S8-14) reached
  * 0.018 and 0.021 with the bounds of test_cuda_layer_matches_cpu's one
- * shape (1.5e-2); a real fault (a wrong expert, a lost scale) errs by
- * O(1). The gradients start non-zero: backward
+ * shape (1.5e-2); shapes with few rows an expert get wider bounds (below);
+ * a real fault (a wrong expert, a lost scale) errs by O(1). The gradients
+ * start non-zero: backward
  * accumulates. Shapes: odd token counts, k = 1 and k = E, each router
  * scoring, renormalised or not, explicit padding multiples (32 for bf16,
  * 128 for FP8) as well as the recipe default. Kinds: random; every third
@@ -2076,7 +2077,15 @@ static int ly_case(xv_env *x, const ly_shape *s, fm_recipe rc, int kind, const c
     res = 0;
     static const int outs[] = {LY_Y, LY_DX, LY_GR, LY_G1, LY_G2};
     static const char *on[] = {"y", "dx", "grad_router", "grad_w1", "grad_w2"};
-    const double tol = rc == FM_RECIPE_BF16 ? 5e-3 : rc == FM_RECIPE_FP8_FLOW_FP4 ? 4e-2 : 3e-2;
+    /* A code flip moves one row's term of an expert's weight-gradient sum,
+     * relative to the sum by about 1 / sqrt(rows) of the flip. The bounds
+     * were set on 64 or more routed rows an expert; fewer widen them by
+     * sqrt(32 / rows) (T 7, k 1, E 2: 3.02x; 16 seeds of S10-1 reached
+     * 0.038 for fp8-flow and 0.079 for fp8-flow-fp4 there; the unwidened
+     * bounds failed 2 of those 16 runs, and 1 of 21 in S9). */
+    const double rows = (double)T * s->k / (double)E;
+    const double few = rc == FM_RECIPE_BF16 || rows >= 32 ? 1.0 : sqrt(32.0 / rows);
+    const double tol = (rc == FM_RECIPE_BF16 ? 5e-3 : rc == FM_RECIPE_FP8_FLOW_FP4 ? 4e-2 : 3e-2) * few;
     for (int o = 0; o < 5; o++) {
         const int i = outs[o];
         float *g = malloc((size_t)n[i] * 4);
@@ -2090,7 +2099,7 @@ static int ly_case(xv_env *x, const ly_shape *s, fm_recipe rc, int kind, const c
         for (int64_t j = 0; j < n[i]; j++)
             nfc += !isfinite(h[i][j]);
         if (x->verbose)
-            printf("  %s %s: rel. Frobenius error %.2e (bound %.0e), %zu non-finite on the CPU, %zu differ in "
+            printf("  %s %s: rel. Frobenius error %.2e (bound %.2g), %zu non-finite on the CPU, %zu differ in "
                    "class\n", name, on[o], e, tol, nfc, nf);
         if (!(e <= tol) || nf) {
             res = 1;
