@@ -182,6 +182,31 @@ FM_DI float fm_pick_scale(uint32_t abits, float eps, int rule, int elem, float *
     return fm_exp2i(-pw);
 }
 
+/* fm_pick_scale for the POW2 rule and an element type known at compile
+ * time, the common case in integer operations. With t = bits(a) +
+ * (0x7FFFFF - max_frac), the exponent field E of t is a's exponent plus 1
+ * exactly when a's fraction exceeds the element maximum's, so the scale
+ * exponent is pw = E - 127 - emax: the scale 2^pw has the bits
+ * (E - emax) << 23 and the multiplier 2^-pw the bits (254 + emax - E) << 23,
+ * both normal while E > emax and a is finite (pw in [-126, 120], where
+ * fm_pow2_scale_exp's clamps and fm_exp2i's subnormal branch do not act).
+ * Zero, tiny, non-finite blocks take fm_pick_scale. */
+template <int ELEM>
+FM_DI float fm_pick_scale_pow2(uint32_t abits, float eps, float *s32, uint8_t *s8)
+{
+    const int emax = ELEM == FM_DTYPE_E4M3 ? 8 : ELEM == FM_DTYPE_E5M2 ? 15 : 2;
+    const uint32_t add = ELEM == FM_DTYPE_E2M1 ? 0x3FFFFFu : 0x1FFFFFu; /* 0x7FFFFF - max_frac */
+    const float a = fm_bits_f32(abits);
+    const uint32_t u = fm_f32_bits(a < eps ? eps : a); /* NaN stays NaN (and goes the long way) */
+    const uint32_t ef = (u + add) & 0x7F800000u;
+    if (u < 0x7F800000u && ef > ((uint32_t)emax << 23)) {
+        *s32 = fm_bits_f32(ef - ((uint32_t)emax << 23));
+        *s8 = (uint8_t)((ef >> 23) - emax);
+        return fm_bits_f32(((uint32_t)(254 + emax) << 23) - ef);
+    }
+    return fm_pick_scale(abits, eps, FM_SCALE_RULE_POW2, ELEM, s32, s8);
+}
+
 /* The inverse of fm_scale_offset within one matrix: which block entry k of a
  * scale array holds, as the stored (r, c) of the block's first element.
  * Returns 0 for padding entries of the GEMM layouts. */

@@ -11,7 +11,10 @@
  * block is scaled and encoded with the tile quantizer's helpers
  * (fm_pick_scale, fm_encode8, fm_nan_word), so the bytes are what
  * fm_quantize gives for the F32 tensor. The forward writes in_saved (E4M3
- * 1x128 or E2M1 MX32) from the same registers. The backward's dprobs keeps
+ * 1x128 or E2M1 MX32) from the same registers. The sigmoids of a lane's 8
+ * gates come from fm_sigmoid_pm8 and the scales from fm_pick_scale_pow2
+ * (fm_sigmoid_pm's and fm_pick_scale's bits, fewer instructions in the
+ * common case). The backward's dprobs keeps
  * fm_dot_order_f32's order: a warp then owns a whole row, walks its columns
  * in increasing order, and each chunk's dh and a · u pass through shared
  * memory so that lane l holds the elements i = l (mod 32) that its partial
@@ -138,7 +141,7 @@ FM_DI void sw_put_block(const float *x, bool valid, float eps, uint8_t *codes, v
     }
     float s32;
     uint8_t s8;
-    const float mult = fm_pick_scale(a, eps, FM_SCALE_RULE_POW2, ELEM, &s32, &s8);
+    const float mult = fm_pick_scale_pow2<ELEM>(a, eps, &s32, &s8);
     if (!valid)
         return;
     float y[8];
@@ -206,9 +209,11 @@ __global__ void __launch_bounds__(SW_THREADS) swiglu_fwd_fused_kernel(const swpa
         if (valid)
             sw_load_gu<IN>(sw_in_row<IN>(p, m), sw_in_srow<IN>(p, m), I, col, g, u);
         const float pm = p.probs ? p.probs[m] : 0.0f;
+        float sg[8], sgn[8];
+        fm_sigmoid_pm8(g, sg, sgn);
 #pragma unroll
         for (int k = 0; k < 8; k++) {
-            const float v = fm_silu_rawf(g[k]) * u[k];
+            const float v = (g[k] * sg[k]) * u[k]; /* fm_silu_rawf(g) * u */
             h[k] = p.probs ? v * pm : v;
         }
         sw_put<OUT>(h, valid, p.eps, sw_out_row<OUT>(p.out, m, I), sw_out_srow<OUT>(p.out_scale, m, I),
@@ -261,10 +266,12 @@ __global__ void __launch_bounds__(SW_THREADS) swiglu_bwd_fused_kernel(const swpa
                 sw_load_gu<IN>(in_row, in_srow, I, col, g, u);
                 sw_bf16x8(__ldcs((const uint4 *)(dh_row + col)), d);
             }
+            float sg[8], sgn[8];
+            fm_sigmoid_pm8(g, sg, sgn);
 #pragma unroll
             for (int k = 0; k < 8; k++) {
-                float a, ds;
-                fm_silu_dsilu_rawf(g[k], &a, &ds);
+                /* fm_silu_dsilu_rawf(g) */
+                const float a = g[k] * sg[k], ds = sg[k] * fmaf(g[k], sgn[k], 1.0f);
                 const float q = p.probs ? d[k] * pm : d[k];
                 du[k] = q * a;
                 dg[k] = (q * u[k]) * ds;

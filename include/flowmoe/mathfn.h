@@ -144,6 +144,39 @@ FM_HD void fm_sigmoid_pm(float g, float *sp, float *sn)
     *sn = g >= 0.0f ? eq : q;
 }
 
+/* fm_sigmoid_pm of 8 values, the same bits in fewer operations when every
+ * |g| <= 86.5 (the SwiGLU kernels' common case). There n >= -125 (x / ln 2 >=
+ * -124.8), so fm_exp_nonpos takes n1 = n, its second factor is 1, and its
+ * first product p * 2^n is normal and exact: bits(p) + (n << 23), one
+ * integer operation instead of two products and their powers. The clamp at
+ * -104 does not act either. A group with any larger |g| or a NaN (whose -|g|
+ * bits, read as a signed integer, exceed those of -86.5) takes
+ * fm_sigmoid_pm element by element. test_cuda_mathfn_equals_host compares it
+ * with fm_sigmoid_pm on the device over 2^24 patterns. */
+FM_HD void fm_sigmoid_pm8(const float *g, float *sp, float *sn)
+{
+    uint32_t xb[8];
+    int32_t worst = INT32_MIN;
+    for (int k = 0; k < 8; k++) {
+        xb[k] = fm_f32_bits(g[k]) | 0x80000000u; /* -|g| */
+        worst = (int32_t)xb[k] > worst ? (int32_t)xb[k] : worst;
+    }
+    if (worst > (int32_t)0xC2AD0000u) { /* -86.5 */
+        for (int k = 0; k < 8; k++)
+            fm_sigmoid_pm(g[k], &sp[k], &sn[k]);
+        return;
+    }
+    for (int k = 0; k < 8; k++) {
+        int n;
+        const float p = fm_exp_poly(fm_bits_f32(xb[k]), &n);
+        const float e = fm_bits_f32(fm_f32_bits(p) + ((uint32_t)n << 23));
+        const float q = fm_rcp_1to2f(1.0f + e);
+        const float eq = e * q;
+        sp[k] = g[k] >= 0.0f ? q : eq;
+        sn[k] = g[k] >= 0.0f ? eq : q;
+    }
+}
+
 /* sigmoid(g) as fm_sigmoid_pm computes it; NaN -> canonical NaN. */
 FM_HD float fm_sigmoidf(float x)
 {

@@ -3,13 +3,28 @@
  * the integer E2M1 encoder and the eight-wide one built on cvt e4m3x2, cvt.rn.{bf16,f16}x2.f32 with canonical NaN,
  * for ALL 2^32 F32 bit patterns (NaN excepted for the three element encoders:
  * every kernel path that could meet a NaN writes the NaN code itself), and
- * the decoders (every FP8 code, every E2M1 nibble, every F16 value). */
+ * the decoders (every FP8 code, every E2M1 nibble, every F16 value); and
+ * fm_pick_scale_pow2 (the POW2 scale pick of the fused SwiGLU kernels) gives
+ * fm_pick_scale's multiplier, F32 scale and E8M0 scale for every block
+ * maximum (all 2^31 non-negative patterns and the NaNs, with eps 0 and 2^-40). */
 #include <stdio.h>
 
 #include "../../backends/cuda/kernels.cuh"
 #include "gpu_test.h"
 
-enum { E4M3, E5M2, E2M1, BF16, F16, E2M1X8, NENC };
+enum { E4M3, E5M2, E2M1, BF16, F16, E2M1X8, PICK_E4M3, PICK_E5M2, PICK_E2M1, NENC };
+
+/* 0 when fm_pick_scale_pow2 and fm_pick_scale agree on all three results. */
+template <int ELEM>
+__device__ uint32_t pick_differs(uint32_t abits, float eps)
+{
+    float s32a, s32b;
+    uint8_t s8a, s8b;
+    const float ma = fm_pick_scale_pow2<ELEM>(abits, eps, &s32a, &s8a);
+    const float mb = fm_pick_scale(abits, eps, FM_SCALE_RULE_POW2, ELEM, &s32b, &s8b);
+    return __float_as_uint(ma) != __float_as_uint(mb) || __float_as_uint(s32a) != __float_as_uint(s32b) ||
+           s8a != s8b;
+}
 
 __global__ void enc_kernel(unsigned long long *bad, unsigned int *first)
 {
@@ -22,7 +37,7 @@ __global__ void enc_kernel(unsigned long long *bad, unsigned int *first)
         const float y = __uint_as_float(u ^ 0x00400001u);
         const int ynan = ((u ^ 0x00400001u) & 0x7FFFFFFFu) > 0x7F800000u;
         uint32_t got[NENC], want[NENC];
-        int skip[NENC] = {nan || ynan, nan || ynan, nan, 0, 0, 0};
+        int skip[NENC] = {nan || ynan, nan || ynan, nan, 0, 0, 0, 0, 0, 0};
         got[E4M3] = fm_hw_e4m3x2(x, y);
         want[E4M3] = fm_e4m3_from_f32(x) | ((uint32_t)fm_e4m3_from_f32(y) << 8);
         got[E5M2] = fm_hw_e5m2x2(y, x);
@@ -51,6 +66,15 @@ __global__ void enc_kernel(unsigned long long *bad, unsigned int *first)
                 }
             }
             got[E2M1X8] = fm_fast_e2m1x8(v8) & mask;
+        }
+        {
+            /* the sign bit chooses eps; the rest is the block maximum */
+            const uint32_t ab = u & 0x7FFFFFFFu;
+            const float eps = (u >> 31) ? 9.094947e-13f : 0.0f; /* 2^-40 */
+            got[PICK_E4M3] = pick_differs<FM_DTYPE_E4M3>(ab, eps);
+            got[PICK_E5M2] = pick_differs<FM_DTYPE_E5M2>(ab, eps);
+            got[PICK_E2M1] = pick_differs<FM_DTYPE_E2M1>(ab, eps);
+            want[PICK_E4M3] = want[PICK_E5M2] = want[PICK_E2M1] = 0;
         }
         for (int k = 0; k < NENC; k++)
             if (!skip[k] && got[k] != want[k]) {
@@ -109,7 +133,8 @@ int main(void)
     unsigned int f[16];
     GT_CUDA(cudaMemcpy(h, bad, sizeof h, cudaMemcpyDeviceToHost));
     GT_CUDA(cudaMemcpy(f, first, sizeof f, cudaMemcpyDeviceToHost));
-    static const char *enc[NENC] = {"e4m3x2", "e5m2x2", "e2m1", "bf16x2", "f16x2", "e2m1x8 (grid + cvt)"};
+    static const char *enc[NENC] = {"e4m3x2", "e5m2x2", "e2m1", "bf16x2", "f16x2", "e2m1x8 (grid + cvt)",
+                                    "pick_scale_pow2 e4m3", "pick_scale_pow2 e5m2", "pick_scale_pow2 e2m1"};
     for (int k = 0; k < NENC; k++) {
         GT_CHECK(h[k] == 0, "%s: %llu of 2^32 inputs differ from format.h; first 0x%08x", enc[k], h[k], f[k]);
         printf("  encode %-22s all 2^32 F32 patterns: %llu mismatches\n", enc[k], h[k]);
