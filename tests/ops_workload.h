@@ -858,7 +858,7 @@ static void wl_requant_ops(wl_run *r)
         fm_tensor x = wl_in(r, q->src);
         fm_tensor out = wl_out(r, wl_desc(q->dt, q->m, lay, q->sl, 2, 1, in->QM, in->QK), 0);
         int64_t *nf = (int64_t *)wl_poisoned(r, sizeof(int64_t));
-        fm_requant_config rc = {q->rule, nf};
+        fm_requant_config rc = {q->rule, nf, 0};
         fm_status st = q->transpose ? fm_transpose_scaled(r->ctx, &rc, &x, &out) : fm_convert_scaled(r->ctx, &rc, &x, &out);
         if (wl_ok(r, cs, st)) {
             wl_keep(r, cs, "out", &out, 0);
@@ -881,7 +881,7 @@ static void wl_requant_ops(wl_run *r)
         fm_tensor x = wl_in(r, src);
         fm_tensor out = wl_out(r, pc, ns);
         int64_t *nf = (int64_t *)wl_poisoned(r, sizeof(int64_t));
-        fm_requant_config rc = {rule, nf};
+        fm_requant_config rc = {rule, nf, 0};
         if (wl_ok(r, cs, fm_transpose_scaled_grouped(r->ctx, &rc, &sp, &x, &out))) {
             wl_keep(r, cs, "out", &out, ns);
             wl_keep_raw(r, cs, "nonfinite_blocks", nf, sizeof(int64_t));

@@ -401,7 +401,7 @@ static void requant_policy(fm_context *ctx)
             tu_qout_init(&out, &so, 2, 1, rows, cols);
             tu_qout_poison(&out, 0x44);
             int64_t nf = -1;
-            fm_requant_config cfg = {rc->rule, &nf};
+            fm_requant_config cfg = {rc->rule, &nf, 0};
             fm_status st = rc->transpose ? fm_transpose_scaled(ctx, &cfg, &in.t, &out.t)
                                          : fm_convert_scaled(ctx, &cfg, &in.t, &out.t);
             CHECK(st == FM_OK, "%s: %s", cs, fm_last_error(ctx));
@@ -478,7 +478,7 @@ static void requant_policy(fm_context *ctx)
         tu_buf od = tu_buf_new((size_t)fm_tensor_nbytes(&out)), os = tu_buf_new((size_t)ns);
         out.data = od.p, out.scale = os.p;
         int64_t nf = -1;
-        fm_requant_config cfg = {FM_REQUANT_TIGHT, &nf};
+        fm_requant_config cfg = {FM_REQUANT_TIGHT, &nf, 0};
         fm_status st = fm_transpose_scaled_grouped(ctx, &cfg, &s, &in.t, &out);
         CHECK(st == FM_OK, "grouped transpose: %s", fm_last_error(ctx));
         if (st == FM_OK) {
