@@ -183,6 +183,18 @@ int main(void)
             memcpy(lane, nxt, sizeof lane);
         }
         CHECK_EQ_U(tu_f32_bits(fm_dot_order_f32(a, b, n)), tu_f32_bits(lane[0]), "dot order n=%lld", (long long)n);
+        /* runs of 8: lane l takes i = 8 l .. 8 l + 7, then 8 (l + 32) .., as the fused dSwiGLU's lanes do */
+        for (int l = 0; l < 32; l++) {
+            lane[l] = 0.0f;
+            for (int64_t c = 0; c < n; c += 256)
+                for (int64_t i = c + 8 * l; i < c + 8 * l + 8 && i < n; i++)
+                    lane[l] = fmaf(a[i], b[i], lane[l]);
+        }
+        for (int off = 16; off > 0; off >>= 1)
+            for (int l = 0; l < off; l++)
+                lane[l] = lane[l] + lane[l + off];
+        CHECK_EQ_U(tu_f32_bits(fm_dot_order_runs_f32(a, b, n)), tu_f32_bits(lane[0]), "dot order (runs of 8) n=%lld",
+                   (long long)n);
         for (int l = 0; l < 32; l++) {
             lane[l] = 0.0f;
             for (int64_t i = l; i < n; i += 32)
@@ -197,5 +209,6 @@ int main(void)
     }
     float nanv[3] = {1.0f, NAN, 2.0f}, one[3] = {1, 1, 1};
     CHECK_EQ_U(tu_f32_bits(fm_dot_order_f32(nanv, one, 3)), 0x7FC00000u, "dot with NaN is the canonical NaN");
+    CHECK_EQ_U(tu_f32_bits(fm_dot_order_runs_f32(nanv, one, 3)), 0x7FC00000u, "runs dot with NaN: canonical NaN");
     return tu_end();
 }

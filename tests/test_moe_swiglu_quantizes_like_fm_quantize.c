@@ -191,7 +191,7 @@ int main(void)
                 din[m * 2 * I + i] = (q * u) * ds;
                 au[i] = a * u;
             }
-            dpw[m] = fm_dot_order_f32(dh.dec + m * I, au, I);
+            dpw[m] = fm_dot_order_runs_f32(dh.dec + m * I, au, I);
         }
         make_outs(ok, M, 2 * I, col, &o);
         tu_buf dpb = tu_buf_new((size_t)M * 4);

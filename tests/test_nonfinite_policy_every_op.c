@@ -1386,7 +1386,7 @@ static void swiglu_policy(fm_context *ctx)
             au[i] = a * uv;
             pdep[m] |= !isfinite(dh[m * I + i]) || !isfinite(gv) || !isfinite(uv);
         }
-        dpr[m] = fm_dot_order_f32(dh + m * I, au, I);
+        dpr[m] = fm_dot_order_runs_f32(dh + m * I, au, I);
     }
     const char *fw = "swiglu", *bw = "swiglu_backward";
     /* unscaled outputs: the formulas bit for bit, non-finite wherever a non-finite input feeds them */

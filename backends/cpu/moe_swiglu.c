@@ -72,7 +72,7 @@ static void bwd_rows(void *arg, int64_t begin, int64_t end, int worker)
             x[i] = a * u; /* what dprobs dots with dh; the gate half of x has been read */
         }
         if (jb->dprobs)
-            jb->dprobs[m] = fm_dot_order_f32(dh, x, I);
+            jb->dprobs[m] = fm_dot_order_runs_f32(dh, x, I);
     }
 }
 

@@ -14,11 +14,10 @@
  * 1x128 or E2M1 MX32) from the same registers. The sigmoids of a lane's 8
  * gates come from fm_sigmoid_pm8 and the scales from fm_pick_scale_pow2
  * (fm_sigmoid_pm's and fm_pick_scale's bits, fewer instructions in the
- * common case). The backward's dprobs keeps
- * fm_dot_order_f32's order: a warp then owns a whole row, walks its columns
- * in increasing order, and each chunk's dh and a · u pass through shared
- * memory so that lane l holds the elements i = l (mod 32) that its partial
- * sum p_l accumulates.
+ * common case). The backward's dprobs takes fm_dot_order_runs_f32's order:
+ * a warp then owns a whole row and walks its chunks in increasing order,
+ * and lane l's 8 adjacent columns of each are the run its partial sum p_l
+ * accumulates.
  *
  * Every other case: the activation into `row` directly (unscaled), or into
  * an F32 buffer that fm_cuda_quantize quantizes; dprobs by one warp per row. */
@@ -112,11 +111,12 @@ FM_DI void sw_load_gu(const uint8_t *row, const uint8_t *srow, int I, int col, f
         sw_bf16x8(__ldcs((const uint4 *)(r + I + col)), u);
     } else if (IN == FM_DTYPE_E4M3) {
         const float *sc = (const float *)srow;
-        sw_e4m3x8(__ldcs((const uint2 *)(row + col)), sc[col / 128], g);
-        sw_e4m3x8(__ldcs((const uint2 *)(row + I + col)), sc[(I + col) / 128], u);
+        sw_e4m3x8(__ldcs((const uint2 *)(row + col)), sc[(unsigned)col >> 7], g);
+        sw_e4m3x8(__ldcs((const uint2 *)(row + I + col)), sc[(unsigned)(I + col) >> 7], u);
     } else { /* 2I nibbles */
-        sw_e2m1x8(__ldcs((const unsigned int *)(row + col / 2)), fm_e8m0_to_f32(srow[col / 32]), g);
-        sw_e2m1x8(__ldcs((const unsigned int *)(row + (I + col) / 2)), fm_e8m0_to_f32(srow[(I + col) / 32]), u);
+        sw_e2m1x8(__ldcs((const unsigned int *)(row + ((unsigned)col >> 1))), fm_e8m0_to_f32(srow[(unsigned)col >> 5]), g);
+        sw_e2m1x8(__ldcs((const unsigned int *)(row + ((unsigned)(I + col) >> 1))),
+                  fm_e8m0_to_f32(srow[(unsigned)(I + col) >> 5]), u);
     }
 }
 
@@ -168,10 +168,10 @@ FM_DI void sw_put_block(const float *x, bool valid, float eps, uint8_t *codes, v
 template <int ELEM>
 FM_DI void sw_put(const float *x, bool valid, float eps, uint8_t *row, uint8_t *srow, int col)
 {
-    if (ELEM == FM_DTYPE_E2M1)
-        sw_put_block<ELEM, 4>(x, valid, eps, row + col / 2, srow, col / 32);
+    if (ELEM == FM_DTYPE_E2M1) /* col >= 0: shifts, not signed divisions */
+        sw_put_block<ELEM, 4>(x, valid, eps, row + ((unsigned)col >> 1), srow, (unsigned)col >> 5);
     else
-        sw_put_block<ELEM, 16>(x, valid, eps, row + col, srow, col / 128);
+        sw_put_block<ELEM, 16>(x, valid, eps, row + col, srow, (unsigned)col >> 7);
 }
 
 /* Row m of a row-wise quantized [M, C] output: codes, then compact scales. */
@@ -231,7 +231,6 @@ __global__ void __launch_bounds__(SW_THREADS) swiglu_fwd_fused_kernel(const swpa
 template <int IN, int OUT, bool FULL>
 __global__ void __launch_bounds__(SW_THREADS) swiglu_bwd_fused_kernel(const swparams p)
 {
-    __shared__ __align__(16) float xs[SW_WARPS][2][SW_CHUNK];
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int I = (int)p.I;
     const bool dp = p.dprobs != NULL;
@@ -254,7 +253,7 @@ __global__ void __launch_bounds__(SW_THREADS) swiglu_bwd_fused_kernel(const swpa
         uint8_t *out_srow = sw_out_srow<OUT>(p.out_scale, m, 2 * (int64_t)I);
         float acc = 0.0f;
         for (uint32_t ch = ch0; ch < ch1; ch++) {
-            const int c0 = (int)ch * SW_CHUNK, col = c0 + lane * 8;
+            const int col = (int)ch * SW_CHUNK + lane * 8;
             const bool valid = FULL || col < I;
             float g[8], u[8], d[8], dg[8], du[8];
             if (!FULL) {
@@ -279,22 +278,10 @@ __global__ void __launch_bounds__(SW_THREADS) swiglu_bwd_fused_kernel(const swpa
             }
             sw_put<OUT>(dg, valid, p.eps, out_row, out_srow, col);
             sw_put<OUT>(du, valid, p.eps, out_row, out_srow, I + col);
-            if (dp) {
-                float *xd = xs[w][0], *xa = xs[w][1];
-                if (valid) {
-                    *(float4 *)(xd + lane * 8) = make_float4(d[0], d[1], d[2], d[3]);
-                    *(float4 *)(xd + lane * 8 + 4) = make_float4(d[4], d[5], d[6], d[7]);
-                    *(float4 *)(xa + lane * 8) = make_float4(u[0], u[1], u[2], u[3]);
-                    *(float4 *)(xa + lane * 8 + 4) = make_float4(u[4], u[5], u[6], u[7]);
-                }
-                __syncwarp();
-                /* p_l = fmaf(dh_i, (a u)_i, p_l) for i = c0 + l + 32 n, increasing */
+            if (dp && valid) /* p_l = fmaf(dh_i, (a u)_i, p_l) over the lane's run, increasing */
 #pragma unroll
-                for (int n = 0; n < SW_CHUNK / 32; n++)
-                    if (FULL || c0 + 32 * n < I)
-                        acc = fmaf(xd[lane + 32 * n], xa[lane + 32 * n], acc);
-                __syncwarp();
-            }
+                for (int k = 0; k < 8; k++)
+                    acc = fmaf(d[k], u[k], acc);
         }
         if (dp) {
             const float v = fm_warp_tree(acc);
@@ -339,10 +326,11 @@ __global__ void swiglu_dprobs_kernel(fm_moe_rows dh, fm_moe_rows in, int64_t M, 
     /* A warp per row, striding: the grid is capped, M is not. */
     for (int64_t m = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5; m < M;
          m += ((int64_t)gridDim.x * blockDim.x) >> 5) {
-        float acc = 0.0f;
-        for (int64_t i = lane; i < I; i += 32)
-            acc = fmaf(fm_moe_rows_get(dh, m, i),
-                       fm_siluf(fm_moe_rows_get(in, m, i)) * fm_moe_rows_get(in, m, I + i), acc);
+        float acc = 0.0f; /* fm_dot_order_runs_f32: lane l takes the runs i / 8 = l (mod 32) */
+        for (int64_t r = FM_DOT_RUN * lane; r < I; r += FM_DOT_RUN * FM_DOT_LANES)
+            for (int64_t i = r; i < r + FM_DOT_RUN && i < I; i++)
+                acc = fmaf(fm_moe_rows_get(dh, m, i),
+                           fm_siluf(fm_moe_rows_get(in, m, i)) * fm_moe_rows_get(in, m, I + i), acc);
         float v = fm_warp_tree(acc);
         if (lane == 0)
             dp[m] = v; /* rows of no columns: +0, as on the CPU */

@@ -234,7 +234,8 @@ FM_HD float fm_dsiluf(float g)
 /* ---- the fixed reduction order ---------------------------------------------
  * Every sum that feeds an output of the MoE ops (softmax denominators, the
  * dot products of backward passes) is evaluated in this order, so that one
- * warp per row reproduces the CPU bit for bit:
+ * warp per row reproduces the CPU bit for bit (the SwiGLU backward's dprobs
+ * groups elements in runs of 8 instead: fm_dot_order_runs_f32 below):
  *
  *   1. 32 partial sums p_l, l = 0..31, each starting at +0.0f; element i goes
  *      to p_{i mod 32}, in increasing i: p_l = fmaf(a_i, b_i, p_l).
@@ -270,6 +271,26 @@ FM_HD float fm_dot_order_strided_f32(const float *a, int64_t sa, const float *b,
 FM_HD float fm_dot_order_f32(const float *a, const float *b, int64_t n)
 {
     return fm_dot_order_strided_f32(a, 1, b, 1, n);
+}
+
+/* The SwiGLU backward's dprobs (the dot of a row of dh with a · u): the same
+ * 32 partial sums and tree, but element i goes to p_{(i / 8) mod 32}, runs
+ * of 8 in increasing i. The fused kernel walks a row 256 columns at a time
+ * with 8 adjacent columns a lane, so lane l accumulates p_l in registers
+ * (fm_dot_order_f32's order would have each 256-column chunk pass through
+ * shared memory to regroup the columns by i mod 32). */
+#define FM_DOT_RUN 8
+
+FM_HD float fm_dot_order_runs_f32(const float *a, const float *b, int64_t n)
+{
+    float p[FM_DOT_LANES];
+    for (int l = 0; l < FM_DOT_LANES; l++)
+        p[l] = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        const int l = (int)((i / FM_DOT_RUN) % FM_DOT_LANES);
+        p[l] = fmaf(a[i], b[i], p[l]);
+    }
+    return fm_dot_tree_f32(p);
 }
 
 /* sum_i a[i] in the same order (each p_l = p_l + a_i). */
