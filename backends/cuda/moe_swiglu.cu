@@ -99,6 +99,20 @@ FM_DI const uint8_t *sw_in_srow(const swparams &p, int64_t m)
     return NULL; /* BF16 has no scales */
 }
 
+/* Bytes of n columns' codes, and of their compact scales (n a multiple of
+ * the block width): BF16 has no scales. */
+template <int T>
+FM_DI int64_t sw_code_bytes(int64_t n)
+{
+    return T == FM_DTYPE_BF16 ? 2 * n : T == FM_DTYPE_E2M1 ? n / 2 : n;
+}
+
+template <int T>
+FM_DI int64_t sw_scale_bytes(int64_t n)
+{
+    return T == FM_DTYPE_BF16 ? 0 : T == FM_DTYPE_E2M1 ? n / 32 : 4 * (n / 128);
+}
+
 /* Gate and up values of one row, columns [col, col + 8), exact F32 (the
  * scale dtype follows the mode: F32 for 1x128, E8M0 for MX32). Offsets
  * within a row are 32-bit (fused_setup checks 2I < 2^31). */
@@ -247,14 +261,21 @@ __global__ void __launch_bounds__(SW_THREADS) swiglu_bwd_fused_kernel(const swpa
         }
         const int64_t m = m32;
         const float pm = p.probs ? p.probs[m] : 0.0f;
-        const uint8_t *in_row = sw_in_row<IN>(p, m), *in_srow = sw_in_srow<IN>(p, m);
-        const uint16_t *dh_row = p.dh + m * I;
-        uint8_t *out_row = sw_out_row<OUT>(p.out, m, 2 * (int64_t)I);
-        uint8_t *out_srow = sw_out_srow<OUT>(p.out_scale, m, 2 * (int64_t)I);
+        /* The rows' places at chunk ch0, advanced a chunk at a time: kept in
+         * registers, where the compiler had recomputed m times a stride for
+         * each access of each chunk. Offsets within a chunk are the lane's
+         * column (for the codes) and block (for the scales): I is a multiple
+         * of 128 here, so chunk-relative block indices are exact. */
+        const int c0 = (int)ch0 * SW_CHUNK, lc = lane * 8;
+        const uint8_t *in_row = sw_in_row<IN>(p, m) + sw_code_bytes<IN>(c0);
+        const uint8_t *in_srow = sw_in_srow<IN>(p, m) + sw_scale_bytes<IN>(c0);
+        const uint16_t *dh_row = p.dh + m * I + c0;
+        uint8_t *out_row = sw_out_row<OUT>(p.out, m, 2 * (int64_t)I) + sw_code_bytes<OUT>(c0);
+        uint8_t *out_srow = sw_out_srow<OUT>(p.out_scale, m, 2 * (int64_t)I) + sw_scale_bytes<OUT>(c0);
         float acc = 0.0f;
         for (uint32_t ch = ch0; ch < ch1; ch++) {
-            const int col = (int)ch * SW_CHUNK + lane * 8;
-            const bool valid = FULL || col < I;
+            const int col = lc; /* within the chunk */
+            const bool valid = FULL || (int)ch * SW_CHUNK + lc < I;
             float g[8], u[8], d[8], dg[8], du[8];
             if (!FULL) {
 #pragma unroll
@@ -282,6 +303,11 @@ __global__ void __launch_bounds__(SW_THREADS) swiglu_bwd_fused_kernel(const swpa
 #pragma unroll
                 for (int k = 0; k < 8; k++)
                     acc = fmaf(d[k], u[k], acc);
+            in_row += sw_code_bytes<IN>(SW_CHUNK);
+            in_srow += sw_scale_bytes<IN>(SW_CHUNK);
+            dh_row += SW_CHUNK;
+            out_row += sw_code_bytes<OUT>(SW_CHUNK);
+            out_srow += sw_scale_bytes<OUT>(SW_CHUNK);
         }
         if (dp) {
             const float v = fm_warp_tree(acc);
