@@ -86,8 +86,11 @@ fm_status fm_cpu_moe_router(fm_context *ctx, const fm_router_config *cfg, const 
             p[j] = s[ids[j]];
         if (cfg->renormalize) {
             float sum = fm_sum_order_f32(p, k);
-            for (int j = 0; j < k; j++)
-                p[j] = fm_divf(p[j], sum);
+            if (cfg->score == FM_ROUTER_SIGMOID && sum == 0.0f)
+                fm_softmax_chosen_f32(x, ids, k, p); /* the limit of 0 / 0 */
+            else
+                for (int j = 0; j < k; j++)
+                    p[j] = fm_divf(p[j], sum);
         }
         int nan = row_has_nan(x, E);
         for (int j = 0; j < k; j++) {
@@ -130,6 +133,19 @@ fm_status fm_cpu_moe_router_backward(fm_context *ctx, const fm_router_config *cf
         scores(cfg->score, x, E, s, ex);
         for (int j = 0; j < k; j++)
             sel[j] = s[ids[j]];
+        if (cfg->renormalize && cfg->score == FM_ROUTER_SIGMOID && fm_sum_order_f32(sel, k) == 0.0f) {
+            /* the forward's limit, p = softmax of the chosen logits:
+             * dx_j = p_j (dp_j - sum_i dp_i p_i) at the chosen experts, 0 elsewhere */
+            fm_softmax_chosen_f32(x, ids, k, p);
+            float c = fm_dot_order_f32(dp, p, k);
+            for (int64_t e = 0; e < E; e++)
+                ds[e] = 0.0f;
+            for (int j = 0; j < k; j++)
+                ds[ids[j]] = ds[ids[j]] + p[j] * (dp[j] - c);
+            for (int64_t e = 0; e < E; e++)
+                dx[e] = fm_f32_canon(ds[e]);
+            continue;
+        }
         if (cfg->renormalize) {
             /* p = sel / S: dsel_j = (dp_j - sum_i dp_i p_i) / S */
             float S = fm_sum_order_f32(sel, k);

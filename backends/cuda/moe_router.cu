@@ -96,8 +96,14 @@ __global__ void router_fwd_kernel(const float *logits, const float *bias, int T,
     __syncwarp();
     if (renorm) {
         float sum = warp_sum(p, k);
-        for (int j = lane; j < k; j += 32)
-            p[j] = fm_divf(p[j], sum);
+        if (sig && sum == 0.0f) { /* the limit of 0 / 0, rare: one lane, mathfn's sequential form */
+            __syncwarp();         /* every lane has read p before lane 0 rewrites it */
+            if (lane == 0)
+                fm_softmax_chosen_f32(x, ids + (int64_t)t * k, k, p);
+        } else {
+            for (int j = lane; j < k; j += 32)
+                p[j] = fm_divf(p[j], sum);
+        }
         __syncwarp();
     }
     for (int j = lane; j < k; j += 32) {
@@ -131,6 +137,30 @@ __global__ void router_bwd_kernel(const float *logits, const int32_t *ids, const
         sel[j] = (e >= 0 && e < E) ? s[e] : 0.0f;
     }
     __syncwarp();
+    int ids_ok = 1; /* the CPU refuses ids out of range; here they only must not be read through */
+    for (int j = lane; j < k; j += 32)
+        ids_ok &= id[j] >= 0 && id[j] < E;
+    if (renorm && sig && warp_sum(sel, k) == 0.0f && __all_sync(0xFFFFFFFFu, ids_ok)) {
+        /* the forward's limit, the softmax of the chosen logits (as the CPU) */
+        __syncwarp();
+        if (lane == 0)
+            fm_softmax_chosen_f32(x, id, k, pp);
+        __syncwarp();
+        float c = warp_dot(dp, pp, k);
+        for (int j = lane; j < k; j += 32)
+            g[j] = pp[j] * (dp[j] - c);
+        for (int e = lane; e < E; e += 32)
+            ds[e] = 0.0f;
+        __syncwarp();
+        if (lane == 0)
+            for (int j = 0; j < k; j++)
+                if (id[j] >= 0 && id[j] < E)
+                    ds[id[j]] = ds[id[j]] + g[j];
+        __syncwarp();
+        for (int e = lane; e < E; e += 32)
+            dx[e] = fm_f32_canon(ds[e]);
+        return;
+    }
     if (renorm) {
         float S = warp_sum(sel, k);
         for (int j = lane; j < k; j += 32)

@@ -41,7 +41,10 @@ typedef struct fm_router_config {
 
 /* Router: logits [T, E] F32 -> expert_ids [T, k] I32 and probs [T, k] F32,
  * the k experts of each token in descending order of s + bias (ties: lower
- * expert id first), probs the matching s (renormalised when asked). A token
+ * expert id first), probs the matching s (renormalised when asked). Sigmoid
+ * scores renormalised over chosen scores that all round to 0 (chosen logits
+ * below about -104) take their limit, the softmax of the chosen logits
+ * (mathfn.h's fm_softmax_chosen_f32), and the backward its gradient. A token
  * whose logits hold NaN gets NaN probabilities (its ids are still k distinct
  * valid experts, chosen with NaN ordered below every number).
  * tokens_per_expert [1, E] I64 (optional): how many tokens chose each expert. */
