@@ -1095,14 +1095,28 @@ static void xv_transpose_scaled_grouped(xv_env *x, xv_counts *cnt)
     }
 }
 
-/* ---- GEMMs: CUDA within the DESIGN.md tolerance of the CPU reference ------ */
+/* ---- GEMMs: CUDA within the DESIGN.md tolerance of the CPU reference (see gm_compare) */
 
-/* Random finite codes (FP8) or values (BF16/F32), random F32 scales. */
-static void gm_fill(xv_env *x, xv_buf *b, fm_dtype t)
+static double gm_normal(xv_env *x)
+{
+    double u = rndu(x), v = rndu(x);
+    return sqrt(-2.0 * log(u > 0 ? u : 1e-300)) * cos(6.283185307179586 * v);
+}
+
+/* Random FP8 operands, random F32 scales, random BF16/F32 values. FP8 data
+ * of two kinds: `wide`, codes uniform over every finite code (magnitudes
+ * 2^-9 .. 448 for E4M3, 2^-16 .. 57344 for E5M2, so that a few products
+ * dominate each dot), or normal values quantized (activation-like: most
+ * codes within a few binades of the top). */
+static void gm_fill(xv_env *x, xv_buf *b, fm_dtype t, int wide)
 {
     uint8_t *p = b->h;
     for (size_t i = 0; i < b->n; i += (size_t)dtype_bytes(t)) {
-        if (t == FM_DTYPE_E4M3)
+        if (t == FM_DTYPE_E4M3 && !wide)
+            p[i] = fm_e4m3_from_f32((float)(gm_normal(x) * 64.0));
+        else if (t == FM_DTYPE_E5M2 && !wide)
+            p[i] = fm_e5m2_from_f32((float)(gm_normal(x) * 8192.0));
+        else if (t == FM_DTYPE_E4M3)
             p[i] = (uint8_t)((rnd(x) % 0x7F) | (rnd(x) & 0x80));
         else if (t == FM_DTYPE_E5M2)
             p[i] = (uint8_t)((rnd(x) % 0x7C) | (rnd(x) & 0x80));
@@ -1149,8 +1163,16 @@ static double rel_frob_classes(const void *ref, const void *got, fm_dtype t, siz
     return den > 0 ? sqrt(num / den) : sqrt(num);
 }
 
-/* The device output against the host one: 0 pass, 1 fail. */
-static int gm_compare(xv_env *x, const xv_buf *d, fm_dtype t, const char *name)
+/* The device output against the host one: 0 pass, 1 fail. DESIGN.md's
+ * tolerance (5e-3 BF16 output, 5e-4 F32), except F32 outputs of FP8 codes
+ * uniform over every finite code (`wide`): 1e-3. There a few products
+ * dominate each 128-term block and the tensor cores' own accumulation
+ * inside a block (about 14 retained bits on Hopper, per DeepSeek-V3; the
+ * promotion to F32 happens between blocks) costs up to 6.9e-4 relative
+ * (S10-11, S10-12: 28 seeds, [1 x 16 x 128] with ROW scales), where normal
+ * values reach 3.0e-4 and BF16 operands 8.6e-7. A wrong scale or expert
+ * errs by O(1). */
+static int gm_compare(xv_env *x, const xv_buf *d, fm_dtype t, const char *name, int wide)
 {
     void *g = malloc(d->n ? d->n : 1);
     if (!g || !cuda_ok(x, cudaMemcpy(g, d->d, d->n, cudaMemcpyDeviceToHost), "cudaMemcpy D2H")) {
@@ -1159,7 +1181,7 @@ static int gm_compare(xv_env *x, const xv_buf *d, fm_dtype t, const char *name)
     }
     size_t class_diff;
     const double rel = rel_frob_classes(d->h, g, t, d->n / (size_t)dtype_bytes(t), &class_diff);
-    const double tol = t == FM_DTYPE_BF16 ? 5e-3 : 5e-4;
+    const double tol = t == FM_DTYPE_BF16 ? 5e-3 : wide ? 1e-3 : 5e-4;
     free(g);
     if (x->verbose)
         printf("  %s: relative Frobenius error %.3g (tolerance %.0e)\n", name, rel, tol);
@@ -1192,13 +1214,13 @@ typedef struct {
     fm_tensor h, d;
 } gm_op;
 
-static int gm_op_make(xv_env *x, gm_op *o, fm_tensor proto, int64_t nscale)
+static int gm_op_make(xv_env *x, gm_op *o, fm_tensor proto, int64_t nscale, int wide)
 {
     memset(o, 0, sizeof *o);
     if (!buf_alloc(x, &o->data, (size_t)fm_tensor_nbytes(&proto)) ||
         !buf_alloc(x, &o->scale, (size_t)(nscale > 0 ? nscale : 0) * 4))
         return 0;
-    gm_fill(x, &o->data, proto.dtype);
+    gm_fill(x, &o->data, proto.dtype, wide);
     gm_fill_scales(x, &o->scale);
     o->h = o->d = proto;
     o->h.data = o->data.h;
@@ -1245,10 +1267,12 @@ static int gm_aligned(int64_t M, int64_t N, int64_t K, int64_t E, const int64_t 
 
 /* One case of `form`: 0 pass, 1 fail, 2 skip (both refused alike). */
 static int gm_case(xv_env *x, int form, int pi, int64_t M, int64_t N, int64_t K, int64_t E, const int64_t *splits,
-                   fm_dtype out, int acc, const char *name)
+                   fm_dtype out, int acc, const char *name0)
 {
     fm_scale_layout sl = rnd(x) & 1 ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT;
-    int fp8 = gm_pairs[pi].ma != FM_SCALE_NONE;
+    int fp8 = gm_pairs[pi].ma != FM_SCALE_NONE, wide = fp8 && (rnd(x) & 1);
+    char name[320];
+    snprintf(name, sizeof name, "%s%s", name0, !fp8 ? "" : wide ? ", codes uniform" : ", values normal");
     gm_op A, B;
     fm_tensor ta, tb, td;
     int64_t nsa = 0, nsb = 0;
@@ -1272,10 +1296,10 @@ static int gm_case(xv_env *x, int form, int pi, int64_t M, int64_t N, int64_t K,
     }
     xv_buf D;
     int r = 1;
-    if (!gm_op_make(x, &A, ta, nsa) || !gm_op_make(x, &B, tb, nsb) ||
+    if (!gm_op_make(x, &A, ta, nsa, wide) || !gm_op_make(x, &B, tb, nsb, wide) ||
         !buf_alloc(x, &D, (size_t)fm_tensor_nbytes(&td)))
         goto done;
-    gm_fill(x, &D, out);
+    gm_fill(x, &D, out, 0);
     if (!buf_upload(x, &D))
         goto done;
     fm_tensor dh = td, dd = td;
@@ -1308,7 +1332,7 @@ static int gm_case(xv_env *x, int form, int pi, int64_t M, int64_t N, int64_t K,
     }
     r = status_verdict(x, name, stc, cmsg, stg);
     if (r == -1)
-        r = cuda_ok(x, cudaDeviceSynchronize(), name) ? gm_compare(x, &D, out, name) : 1;
+        r = cuda_ok(x, cudaDeviceSynchronize(), name) ? gm_compare(x, &D, out, name, wide) : 1;
 done:
     gm_op_free(&A);
     gm_op_free(&B);
