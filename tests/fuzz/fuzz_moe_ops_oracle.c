@@ -17,8 +17,9 @@
  *     rounded once (F32 canonical NaN, BF16 RNE), a token with no slot left a
  *     zero row; backward: dy[row] = w * dout[t] (padding rows 0), dprobs the
  *     32-lane fmaf dot then the fixed tree (0 for a -1 slot);
- *   - SwiGLU to F32 / BF16: h = (silu(g) u) p and [dg | du], dprobs, with
- *     mathfn.h's silu / dsilu (the documented rule), bit for bit.
+ *   - SwiGLU to F32 / BF16: h = (silu(g) u) p and [dg | du], dprobs (its
+ *     dot in runs of 8: lane (i / 8) % 32), with mathfn.h's silu / dsilu
+ *     (the documented rule), bit for bit.
  * Before anything else: a valid call is accepted, nothing crashes, nothing
  * is written past the buffers (ASan). */
 #include <math.h>
@@ -73,17 +74,20 @@ static uint16_t bf16_rne(float f)
 
 static uint32_t f32_store(float f) { return isnan(f) ? 0x7FC00000u : f2u(f); }
 
-/* The fixed order of moe.h: 32 lanes of fmaf, lane i % 32, then the tree 16, 8, 4, 2, 1. */
-static float dot32(const float *a, const float *b, int64_t n)
+/* The fixed order of moe.h: 32 lanes of fmaf, lane i % 32 (run 1) or, for
+ * SwiGLU's dprobs, lane (i / 8) % 32 (run 8), then the tree 16, 8, 4, 2, 1. */
+static float dot32_run(const float *a, const float *b, int64_t n, int64_t run)
 {
     float p[32] = {0};
     for (int64_t i = 0; i < n; i++)
-        p[i % 32] = fmaf(a[i], b[i], p[i % 32]);
+        p[(i / run) % 32] = fmaf(a[i], b[i], p[(i / run) % 32]);
     for (int off = 16; off > 0; off >>= 1)
         for (int l = 0; l < off; l++)
             p[l] = p[l] + p[l + off];
     return p[0];
 }
+
+static float dot32(const float *a, const float *b, int64_t n) { return dot32_run(a, b, n, 1); }
 
 static float load(const void *p, fm_dtype dt, int64_t i)
 {
@@ -343,7 +347,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                 au[i] = v;
             }
             if (wp) {
-                float want = dot32((float *)dh + t * I, au, I);
+                float want = dot32_run((float *)dh + t * I, au, I, 8);
                 if (f2u(dp[t]) != f32_store(want))
                     fz_fail("%s: swiglu dprobs[%lld] 0x%08x, want 0x%08x", ctx, (long long)t, f2u(dp[t]),
                             f32_store(want));
