@@ -7,7 +7,9 @@
  * contraction on both sides). Reductions that feed an output (softmax sums,
  * the dot products of backward passes) use the fixed order of
  * fm_dot_order_f32 in mathfn.h: 32 strided partial sums, then a fixed
- * pairwise tree, which is what one warp per row computes.
+ * pairwise tree, which is what one warp per row computes (the SwiGLU
+ * backward's dprobs feeds runs of 8 columns to each partial sum instead,
+ * fm_dot_order_runs_f32).
  *
  * Shapes: T tokens, E experts, k chosen experts per token, H hidden, I expert
  * FFN size, R rows of the expert-contiguous (permuted, padded) layout. Index
@@ -135,7 +137,8 @@ fm_status fm_moe_swiglu(fm_context *ctx, const fm_quant_config *cfg, const fm_te
  *   a = silu(g), q = dh · p,  du = q · a,  dg = (q · u) · dsilu(g)
  * (dsilu as in mathfn.h), quantized as fm_quantize would (din_row, optional
  * din_col column-wise), or din_row BF16/F32 unscaled. With probs given,
- * dprobs [M, 1] F32 (optional) = the fm_dot_order_f32 dot of dh and a · u. */
+ * dprobs [M, 1] F32 (optional) = the fm_dot_order_runs_f32 dot of dh and a · u
+ * (runs of 8 columns to each of the 32 partial sums). */
 fm_status fm_moe_swiglu_backward(fm_context *ctx, const fm_quant_config *cfg, const fm_tensor *dh,
                                  const fm_tensor *in, const fm_tensor *probs, fm_tensor *din_row, fm_tensor *din_col,
                                  fm_tensor *dprobs);
