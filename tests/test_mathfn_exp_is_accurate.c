@@ -6,7 +6,11 @@
  * it) are within a few ulps of their double definitions, with their stated
  * non-finite results. The fixed reduction order is the 32-lane strided sum
  * followed by the halving tree, checked against an independent simulation
- * of a warp's shuffle-down reduction. */
+ * of a warp's shuffle-down reduction (and the runs-of-8 order of SwiGLU's
+ * dprobs). fm_sigmoid_pm8, the fused kernels' eight-wide sigmoid with its
+ * short path for |g| <= 86.5, gives fm_sigmoid_pm's bits over groups of 8
+ * neighbouring patterns (one path a group) and of mixed ones, 2^23 values
+ * each. */
 #include <math.h>
 
 #include "flowmoe/mathfn.h"
@@ -207,6 +211,26 @@ int main(void)
         free(a);
         free(b);
     }
+    /* fm_sigmoid_pm8 against fm_sigmoid_pm: near groups (patterns 8j..8j+7
+     * of a spread over every exponent) and mixed ones (eight far-apart patterns) */
+    long sig8_bad = 0;
+    for (uint32_t j = 0; j < (1u << 20); j++)
+        for (int mixed = 0; mixed < 2; mixed++) {
+            float g[8], sp[8], sn[8];
+            for (int q = 0; q < 8; q++) {
+                uint32_t i = mixed ? j + (uint32_t)q * (1u << 20) : 8 * j + (uint32_t)q;
+                g[q] = tu_bits_f32((i << 9) | ((i * 2654435761u) >> 23));
+            }
+            fm_sigmoid_pm8(g, sp, sn);
+            for (int q = 0; q < 8; q++) {
+                float a, b;
+                fm_sigmoid_pm(g[q], &a, &b);
+                if ((tu_f32_bits(a) != tu_f32_bits(sp[q]) || tu_f32_bits(b) != tu_f32_bits(sn[q])) && sig8_bad++ < 3)
+                    CHECK(0, "fm_sigmoid_pm8(%a): %a %a, fm_sigmoid_pm %a %a", (double)g[q], (double)sp[q],
+                          (double)sn[q], (double)a, (double)b);
+            }
+        }
+    CHECK(sig8_bad == 0, "fm_sigmoid_pm8 differs from fm_sigmoid_pm on %ld values", sig8_bad);
     float nanv[3] = {1.0f, NAN, 2.0f}, one[3] = {1, 1, 1};
     CHECK_EQ_U(tu_f32_bits(fm_dot_order_f32(nanv, one, 3)), 0x7FC00000u, "dot with NaN is the canonical NaN");
     CHECK_EQ_U(tu_f32_bits(fm_dot_order_runs_f32(nanv, one, 3)), 0x7FC00000u, "runs dot with NaN: canonical NaN");
