@@ -53,6 +53,12 @@ static uint64_t rnd(xv_env *x)
 }
 
 static double rndu(xv_env *x) { return (double)(rnd(x) >> 11) * (1.0 / 9007199254740992.0); }
+/* N(0, 1) by Box-Muller */
+static double rndn(xv_env *x)
+{
+    double u = rndu(x), v = rndu(x);
+    return sqrt(-2.0 * log(u > 0 ? u : 1e-300)) * cos(6.283185307179586 * v);
+}
 static int rndi(xv_env *x, int lo, int hi) { return lo + (int)(rnd(x) % (uint64_t)(hi - lo + 1)); }
 
 static float f32_from_bits(uint32_t u)
@@ -1097,12 +1103,6 @@ static void xv_transpose_scaled_grouped(xv_env *x, xv_counts *cnt)
 
 /* ---- GEMMs: CUDA within the DESIGN.md tolerance of the CPU reference (see gm_compare) */
 
-static double gm_normal(xv_env *x)
-{
-    double u = rndu(x), v = rndu(x);
-    return sqrt(-2.0 * log(u > 0 ? u : 1e-300)) * cos(6.283185307179586 * v);
-}
-
 /* Random FP8 operands, random F32 scales, random BF16/F32 values. FP8 data
  * of two kinds: `wide`, codes uniform over every finite code (magnitudes
  * 2^-9 .. 448 for E4M3, 2^-16 .. 57344 for E5M2, so that a few products
@@ -1113,9 +1113,9 @@ static void gm_fill(xv_env *x, xv_buf *b, fm_dtype t, int wide)
     uint8_t *p = b->h;
     for (size_t i = 0; i < b->n; i += (size_t)dtype_bytes(t)) {
         if (t == FM_DTYPE_E4M3 && !wide)
-            p[i] = fm_e4m3_from_f32((float)(gm_normal(x) * 64.0));
+            p[i] = fm_e4m3_from_f32((float)(rndn(x) * 64.0));
         else if (t == FM_DTYPE_E5M2 && !wide)
-            p[i] = fm_e5m2_from_f32((float)(gm_normal(x) * 8192.0));
+            p[i] = fm_e5m2_from_f32((float)(rndn(x) * 8192.0));
         else if (t == FM_DTYPE_E4M3)
             p[i] = (uint8_t)((rnd(x) % 0x7F) | (rnd(x) & 0x80));
         else if (t == FM_DTYPE_E5M2)
@@ -2044,12 +2044,6 @@ static const ly_shape ly_shapes[] = {
 enum { LY_RANDOM, LY_ZEROS, LY_NAN, LY_KINDS };
 static const char *ly_kind_name[LY_KINDS] = {"random", "zero-tokens", "nan-token"};
 
-static double ly_normal(xv_env *x)
-{
-    double u = rndu(x), v = rndu(x);
-    return sqrt(-2.0 * log(u > 0 ? u : 1e-300)) * cos(6.283185307179586 * v);
-}
-
 enum { LY_WR, LY_W1, LY_W2, LY_GR, LY_G1, LY_G2, LY_X, LY_Y, LY_DY, LY_DX, LY_NB };
 
 /* 0 pass, 1 fail. */
@@ -2065,7 +2059,7 @@ static int ly_case(xv_env *x, const ly_shape *s, fm_recipe rc, int kind, const c
         if (!(h[i] = malloc((size_t)n[i] * 4)))
             goto done;
         for (int64_t j = 0; j < n[i]; j++)
-            h[i][j] = (float)(ly_normal(x) * sc[i]);
+            h[i][j] = (float)(rndn(x) * sc[i]);
     }
     for (int64_t t = 0; kind == LY_ZEROS && t < T; t += 3)
         memset(h[LY_X] + t * H, 0, (size_t)H * 4);

@@ -13,23 +13,15 @@ static int row_has_nan(const float *x, int64_t E)
     return 0;
 }
 
-/* s = softmax(x) (exp(x - max) / sum, the sum in the fixed order) or
- * sigmoid(x); ex is scratch of E floats. */
-static void scores(fm_router_score score, const float *x, int64_t E, float *s, float *ex)
+/* s = softmax(x) (mathfn.h's fm_softmax_f32) or sigmoid(x). */
+static void scores(fm_router_score score, const float *x, int64_t E, float *s)
 {
     if (score == FM_ROUTER_SIGMOID) {
         for (int64_t e = 0; e < E; e++)
             s[e] = fm_sigmoidf(x[e]);
         return;
     }
-    float m = x[0];
-    for (int64_t e = 1; e < E; e++)
-        m = x[e] > m ? x[e] : m;
-    for (int64_t e = 0; e < E; e++)
-        ex[e] = fm_expf(x[e] - m);
-    float sum = fm_sum_order_f32(ex, E);
-    for (int64_t e = 0; e < E; e++)
-        s[e] = fm_divf(ex[e], sum);
+    fm_softmax_f32(x, NULL, E, s);
 }
 
 /* a ranks above b: numbers above NaN; equal keys keep the lower id (the
@@ -67,7 +59,7 @@ fm_status fm_cpu_moe_router(fm_context *ctx, const fm_router_config *cfg, const 
      * per-expert scratch. */
     if (T == 0)
         return FM_OK;
-    float *buf = malloc((size_t)E * 3 * sizeof(float));
+    float *buf = malloc((size_t)E * 2 * sizeof(float));
     unsigned char *taken = malloc((size_t)E);
     if (!buf || !taken) {
         free(buf);
@@ -75,19 +67,19 @@ fm_status fm_cpu_moe_router(fm_context *ctx, const fm_router_config *cfg, const 
         return fm_error(ctx, FM_ERR_OUT_OF_MEMORY, "fm_moe_router: out of host memory for %lld experts",
                         (long long)E);
     }
-    float *s = buf, *ex = buf + E, *key = buf + 2 * E;
+    float *s = buf, *key = buf + E;
     for (int64_t t = 0; t < T; t++) {
         const float *x = (const float *)logits->data + t * E;
         int32_t *ids = (int32_t *)expert_ids->data + t * k;
         float *p = (float *)probs->data + t * k;
-        scores(cfg->score, x, E, s, ex);
+        scores(cfg->score, x, E, s);
         select_topk(s, cfg->bias, E, k, ids, key, taken);
         for (int j = 0; j < k; j++)
             p[j] = s[ids[j]];
         if (cfg->renormalize) {
             float sum = fm_sum_order_f32(p, k);
             if (cfg->score == FM_ROUTER_SIGMOID && sum == 0.0f)
-                fm_softmax_chosen_f32(x, ids, k, p); /* the limit of 0 / 0 */
+                fm_softmax_f32(x, ids, k, p); /* the limit of 0 / 0 */
             else
                 for (int j = 0; j < k; j++)
                     p[j] = fm_divf(p[j], sum);
@@ -116,10 +108,10 @@ fm_status fm_cpu_moe_router_backward(fm_context *ctx, const fm_router_config *cf
                             (long long)(i / k), (long long)(i % k), (int)all_ids[i], (long long)E);
     if (T == 0)
         return FM_OK;
-    float *buf = malloc((size_t)(3 * E + 3 * k) * sizeof(float));
+    float *buf = malloc((size_t)(2 * E + 3 * k) * sizeof(float));
     if (!buf)
         return fm_error(ctx, FM_ERR_OUT_OF_MEMORY, "fm_moe_router_backward: out of host memory");
-    float *s = buf, *ex = buf + E, *ds = buf + 2 * E, *sel = buf + 3 * E, *g = sel + k, *p = g + k;
+    float *s = buf, *ds = buf + E, *sel = buf + 2 * E, *g = sel + k, *p = g + k;
     for (int64_t t = 0; t < T; t++) {
         const float *x = (const float *)logits->data + t * E;
         const int32_t *ids = all_ids + t * k;
@@ -130,25 +122,20 @@ fm_status fm_cpu_moe_router_backward(fm_context *ctx, const fm_router_config *cf
                 dx[e] = fm_bits_f32(FM_F32_CANON_NAN);
             continue;
         }
-        scores(cfg->score, x, E, s, ex);
+        scores(cfg->score, x, E, s);
         for (int j = 0; j < k; j++)
             sel[j] = s[ids[j]];
-        if (cfg->renormalize && cfg->score == FM_ROUTER_SIGMOID && fm_sum_order_f32(sel, k) == 0.0f) {
-            /* the forward's limit, p = softmax of the chosen logits:
-             * dx_j = p_j (dp_j - sum_i dp_i p_i) at the chosen experts, 0 elsewhere */
-            fm_softmax_chosen_f32(x, ids, k, p);
+        const float S = cfg->renormalize ? fm_sum_order_f32(sel, k) : 0.0f;
+        /* sigmoid scores renormalised over zeros: the forward took their limit, the softmax p
+         * of the chosen logits, whose gradient is p_j (dp_j - sum_i dp_i p_i) there, 0 elsewhere */
+        const int limit = cfg->renormalize && cfg->score == FM_ROUTER_SIGMOID && S == 0.0f;
+        if (limit) {
+            fm_softmax_f32(x, ids, k, p);
             float c = fm_dot_order_f32(dp, p, k);
-            for (int64_t e = 0; e < E; e++)
-                ds[e] = 0.0f;
             for (int j = 0; j < k; j++)
-                ds[ids[j]] = ds[ids[j]] + p[j] * (dp[j] - c);
-            for (int64_t e = 0; e < E; e++)
-                dx[e] = fm_f32_canon(ds[e]);
-            continue;
-        }
-        if (cfg->renormalize) {
+                g[j] = p[j] * (dp[j] - c);
+        } else if (cfg->renormalize) {
             /* p = sel / S: dsel_j = (dp_j - sum_i dp_i p_i) / S */
-            float S = fm_sum_order_f32(sel, k);
             for (int j = 0; j < k; j++)
                 p[j] = fm_divf(sel[j], S);
             float c = fm_dot_order_f32(dp, p, k);
@@ -162,7 +149,10 @@ fm_status fm_cpu_moe_router_backward(fm_context *ctx, const fm_router_config *cf
             ds[e] = 0.0f;
         for (int j = 0; j < k; j++)
             ds[ids[j]] = ds[ids[j]] + g[j];
-        if (cfg->score == FM_ROUTER_SIGMOID) {
+        if (limit) {
+            for (int64_t e = 0; e < E; e++)
+                dx[e] = fm_f32_canon(ds[e]);
+        } else if (cfg->score == FM_ROUTER_SIGMOID) {
             for (int64_t e = 0; e < E; e++)
                 dx[e] = fm_f32_canon(ds[e] * (s[e] * (1.0f - s[e])));
         } else {

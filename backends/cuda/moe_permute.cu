@@ -434,21 +434,22 @@ extern "C" fm_status fm_cuda_moe_permute(fm_context *ctx, const fm_permute_confi
             perm_move_kernel<<<(unsigned)(p.T + p.fill_blocks), PERM_MOVE_THREADS, 0, s>>>(p);
         err = cudaGetLastError();
     }
-    /* the row need and the flags come back through the context's pinned buffer */
-    int64_t *hsmall = (int64_t *)fm_cuda(ctx)->host_small;
-    hsmall[0] = 0;
-    hsmall[1] = 0;
+    /* the row need and the flag come back through the context's pinned buffer */
+    int64_t *pneed = (int64_t *)fm_cuda(ctx)->host_small;
+    int32_t *pflag = (int32_t *)(pneed + 1);
+    *pneed = 0;
+    *pflag = 0;
     if (err == cudaSuccess && host_splits) {
         err = cudaMemcpyAsync(host_splits, splits->data, (size_t)E * 8, cudaMemcpyDeviceToHost, s);
         if (err == cudaSuccess)
-            err = cudaMemcpyAsync(&hsmall[0], need, 8, cudaMemcpyDeviceToHost, s);
+            err = cudaMemcpyAsync(pneed, need, 8, cudaMemcpyDeviceToHost, s);
         if (err == cudaSuccess)
-            err = cudaMemcpyAsync(&hsmall[1], flag, 4, cudaMemcpyDeviceToHost, s);
+            err = cudaMemcpyAsync(pflag, flag, 4, cudaMemcpyDeviceToHost, s);
         if (err == cudaSuccess)
             err = cudaStreamSynchronize(s);
     }
-    const int64_t hneed = hsmall[0];
-    const int hflag = (int)*(const int32_t *)&hsmall[1];
+    const int64_t hneed = *pneed;
+    const int hflag = *pflag;
     if (owned) {
         cudaError_t e2 = cudaFreeAsync(scr, s);
         if (err == cudaSuccess)

@@ -99,7 +99,7 @@ __global__ void router_fwd_kernel(const float *logits, const float *bias, int T,
         if (sig && sum == 0.0f) { /* the limit of 0 / 0, rare: one lane, mathfn's sequential form */
             __syncwarp();         /* every lane has read p before lane 0 rewrites it */
             if (lane == 0)
-                fm_softmax_chosen_f32(x, ids + (int64_t)t * k, k, p);
+                fm_softmax_f32(x, ids + (int64_t)t * k, k, p);
         } else {
             for (int j = lane; j < k; j += 32)
                 p[j] = fm_divf(p[j], sum);
@@ -140,29 +140,18 @@ __global__ void router_bwd_kernel(const float *logits, const int32_t *ids, const
     int ids_ok = 1; /* the CPU refuses ids out of range; here they only must not be read through */
     for (int j = lane; j < k; j += 32)
         ids_ok &= id[j] >= 0 && id[j] < E;
-    if (renorm && sig && warp_sum(sel, k) == 0.0f && __all_sync(0xFFFFFFFFu, ids_ok)) {
-        /* the forward's limit, the softmax of the chosen logits (as the CPU) */
-        __syncwarp();
+    ids_ok = __all_sync(0xFFFFFFFFu, ids_ok);
+    const float S = renorm ? warp_sum(sel, k) : 0.0f;
+    /* sigmoid scores renormalised over zeros: the forward's limit, as the CPU */
+    const bool limit = renorm && sig && S == 0.0f && ids_ok;
+    if (limit) {
         if (lane == 0)
-            fm_softmax_chosen_f32(x, id, k, pp);
+            fm_softmax_f32(x, id, k, pp);
         __syncwarp();
         float c = warp_dot(dp, pp, k);
         for (int j = lane; j < k; j += 32)
             g[j] = pp[j] * (dp[j] - c);
-        for (int e = lane; e < E; e += 32)
-            ds[e] = 0.0f;
-        __syncwarp();
-        if (lane == 0)
-            for (int j = 0; j < k; j++)
-                if (id[j] >= 0 && id[j] < E)
-                    ds[id[j]] = ds[id[j]] + g[j];
-        __syncwarp();
-        for (int e = lane; e < E; e += 32)
-            dx[e] = fm_f32_canon(ds[e]);
-        return;
-    }
-    if (renorm) {
-        float S = warp_sum(sel, k);
+    } else if (renorm) {
         for (int j = lane; j < k; j += 32)
             pp[j] = fm_divf(sel[j], S);
         __syncwarp();
@@ -181,7 +170,10 @@ __global__ void router_bwd_kernel(const float *logits, const int32_t *ids, const
             if (id[j] >= 0 && id[j] < E)
                 ds[id[j]] = ds[id[j]] + g[j];
     __syncwarp();
-    if (sig) {
+    if (limit) {
+        for (int e = lane; e < E; e += 32)
+            dx[e] = fm_f32_canon(ds[e]);
+    } else if (sig) {
         for (int e = lane; e < E; e += 32)
             dx[e] = fm_f32_canon(ds[e] * (s[e] * (1.0f - s[e])));
     } else {

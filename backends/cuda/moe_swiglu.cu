@@ -81,26 +81,9 @@ FM_DI void sw_e2m1x8(uint32_t w, float s, float *x)
         x[k] = fm_fast_e2m1_to_f32((w >> (4 * k)) & 0xFu) * s;
 }
 
-/* Row m of `in` (codes) and of its compact scales. */
-template <int IN>
-FM_DI const uint8_t *sw_in_row(const swparams &p, int64_t m)
-{
-    const int64_t bytes = IN == FM_DTYPE_BF16 ? 4 * p.I : IN == FM_DTYPE_E4M3 ? 2 * p.I : p.I;
-    return (const uint8_t *)p.in + m * bytes;
-}
-
-template <int IN>
-FM_DI const uint8_t *sw_in_srow(const swparams &p, int64_t m)
-{
-    if (IN == FM_DTYPE_E4M3)
-        return (const uint8_t *)((const float *)p.in_scale + m * (2 * p.I / 128));
-    if (IN == FM_DTYPE_E2M1)
-        return (const uint8_t *)p.in_scale + m * (2 * p.I / 32);
-    return NULL; /* BF16 has no scales */
-}
-
 /* Bytes of n columns' codes, and of their compact scales (n a multiple of
- * the block width): BF16 has no scales. */
+ * the block width: 128 with F32 scales, 32 with E8M0 for E2M1): BF16 has
+ * no scales. */
 template <int T>
 FM_DI int64_t sw_code_bytes(int64_t n)
 {
@@ -111,6 +94,19 @@ template <int T>
 FM_DI int64_t sw_scale_bytes(int64_t n)
 {
     return T == FM_DTYPE_BF16 ? 0 : T == FM_DTYPE_E2M1 ? n / 32 : 4 * (n / 128);
+}
+
+/* Row m of `in` [M, 2I] (codes) and of its compact scales (NULL for BF16). */
+template <int IN>
+FM_DI const uint8_t *sw_in_row(const swparams &p, int64_t m)
+{
+    return (const uint8_t *)p.in + m * sw_code_bytes<IN>(2 * p.I);
+}
+
+template <int IN>
+FM_DI const uint8_t *sw_in_srow(const swparams &p, int64_t m)
+{
+    return IN == FM_DTYPE_BF16 ? NULL : (const uint8_t *)p.in_scale + m * sw_scale_bytes<IN>(2 * p.I);
 }
 
 /* Gate and up values of one row, columns [col, col + 8), exact F32 (the
@@ -192,13 +188,13 @@ FM_DI void sw_put(const float *x, bool valid, float eps, uint8_t *row, uint8_t *
 template <int ELEM>
 FM_DI uint8_t *sw_out_row(uint8_t *data, int64_t m, int64_t C)
 {
-    return data + (ELEM == FM_DTYPE_E2M1 ? m * C / 2 : m * C);
+    return data + m * sw_code_bytes<ELEM>(C);
 }
 
 template <int ELEM>
 FM_DI uint8_t *sw_out_srow(void *scale, int64_t m, int64_t C)
 {
-    return ELEM == FM_DTYPE_E2M1 ? (uint8_t *)scale + m * (C / 32) : (uint8_t *)((float *)scale + m * (C / 128));
+    return (uint8_t *)scale + m * sw_scale_bytes<ELEM>(C);
 }
 
 /* h = (silu(g) · u) · p into OUT 1x128; SV: in_saved's element dtype

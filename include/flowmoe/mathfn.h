@@ -304,22 +304,26 @@ FM_HD float fm_sum_order_f32(const float *a, int64_t n)
     return fm_dot_tree_f32(p);
 }
 
-/* Sigmoid scoring with renormalisation when the k chosen scores sum to +0
- * (every chosen logit below about -104, where fm_sigmoidf rounds to 0; as the
- * logits fall, s_j / sum_i s_i tends to the softmax of the chosen logits,
- * since sigmoid(x) / e^x -> 1): p_j = that softmax, exp(x_j - max) / sum in
- * the fixed order, so finite logits give finite probabilities instead of
- * 0 / 0. Chosen logits all -Inf still give NaN (-Inf - -Inf). x: the token's
- * logits, ids: the k chosen experts in choice order. */
-FM_HD void fm_softmax_chosen_f32(const float *x, const int32_t *ids, int k, float *p)
+/* softmax over n logits: x[j], or x[idx[j]] when idx is given, as
+ * exp(x_j - max) / sum with the sum in the fixed order above (the max in
+ * increasing j). The router's softmax scoring takes it over all E logits;
+ * sigmoid scoring with renormalisation takes it over the k chosen logits
+ * when their scores sum to +0 (every chosen logit below about -104, where
+ * fm_sigmoidf rounds to 0): as the logits fall, s_j / sum_i s_i tends to
+ * that softmax, since sigmoid(x) / e^x -> 1, so finite logits give finite
+ * probabilities instead of 0 / 0. Logits all -Inf still give NaN
+ * (-Inf - -Inf). */
+FM_HD void fm_softmax_f32(const float *x, const int32_t *idx, int64_t n, float *p)
 {
-    float m = x[ids[0]];
-    for (int j = 1; j < k; j++)
-        m = x[ids[j]] > m ? x[ids[j]] : m;
-    for (int j = 0; j < k; j++)
-        p[j] = fm_expf(x[ids[j]] - m);
-    const float S = fm_sum_order_f32(p, k);
-    for (int j = 0; j < k; j++)
+    float m = x[idx ? idx[0] : 0];
+    for (int64_t j = 1; j < n; j++) {
+        const float v = x[idx ? idx[j] : j];
+        m = v > m ? v : m;
+    }
+    for (int64_t j = 0; j < n; j++)
+        p[j] = fm_expf(x[idx ? idx[j] : j] - m);
+    const float S = fm_sum_order_f32(p, n);
+    for (int64_t j = 0; j < n; j++)
         p[j] = fm_divf(p[j], S);
 }
 

@@ -46,7 +46,7 @@ typedef struct fm_router_config {
  * expert id first), probs the matching s (renormalised when asked). Sigmoid
  * scores renormalised over chosen scores that all round to 0 (chosen logits
  * below about -104) take their limit, the softmax of the chosen logits
- * (mathfn.h's fm_softmax_chosen_f32), and the backward its gradient. A token
+ * (mathfn.h's fm_softmax_f32), and the backward its gradient. A token
  * whose logits hold NaN gets NaN probabilities (its ids are still k distinct
  * valid experts, chosen with NaN ordered below every number).
  * tokens_per_expert [1, E] I64 (optional): how many tokens chose each expert. */
