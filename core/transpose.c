@@ -4,6 +4,15 @@
 
 static int block_mode(fm_scale_mode m) { return m == FM_SCALE_BLOCK_1x128 || m == FM_SCALE_MX32; }
 
+/* FP8 1x128 -> 128x128 under ROWMAX: every 128 x 1 output block of a tile
+ * gets the same exponent (the tile's largest row exponent), so the tile's
+ * one scale says it all. */
+static int tile_rowmax(const fm_requant_config *cfg, const fm_tensor *in, const fm_tensor *out)
+{
+    return cfg->rule == FM_REQUANT_ROWMAX && in->scale_mode == FM_SCALE_BLOCK_1x128 &&
+           out->scale_mode == FM_SCALE_BLOCK_128x128;
+}
+
 /* Bytes of out's scale array: the grouped one when splits are given. */
 static int64_t out_scale_nbytes(const fm_tensor *out, const fm_splits *splits)
 {
@@ -21,10 +30,10 @@ static fm_status check_grouped(fm_context *ctx, const fm_splits *splits, const f
                         "got ndim %d", in->ndim);
     if ((st = fm_check_splits(ctx, splits, in->shape[0], "in", -1, NULL, "fm_transpose_scaled_grouped")))
         return st;
-    if (in->scale_mode == FM_SCALE_BLOCK_128x128 || out->scale_mode == FM_SCALE_BLOCK_128x128)
+    if (in->scale_mode == FM_SCALE_BLOCK_128x128)
         return fm_error(ctx, FM_ERR_INVALID_ARG,
-                        "in, out: the grouped transpose takes BLOCK_1x128 or MX32 (power-of-two block scales), "
-                        "not BLOCK_128x128");
+                        "in: the grouped transpose takes BLOCK_1x128 or MX32 (power-of-two block scales), not "
+                        "BLOCK_128x128");
     if (out->dtype == FM_DTYPE_E2M1)
         for (int64_t g = 0; g < splits->groups; g++)
             if (splits->host[g] & 1)
@@ -62,11 +71,18 @@ static fm_status check_requant(fm_context *ctx, const fm_requant_config *cfg, co
                         "out: fm_convert_scaled keeps the layout (in is %s, out is %s); use fm_transpose_scaled",
                         fm_layout_name(in->layout), fm_layout_name(out->layout));
     int exact128 = in->scale_mode == FM_SCALE_BLOCK_128x128 || out->scale_mode == FM_SCALE_BLOCK_128x128;
-    if (exact128) {
+    if (tile_rowmax(cfg, in, out)) {
+        if (!transpose || in->dtype != out->dtype || (in->dtype != FM_DTYPE_E4M3 && in->dtype != FM_DTYPE_E5M2))
+            return fm_error(ctx, FM_ERR_INVALID_ARG,
+                            "in, out: BLOCK_1x128 -> BLOCK_128x128 (ROWMAX) is a transpose that keeps the FP8 dtype "
+                            "(got %s -> %s, %s)",
+                            fm_dtype_name(in->dtype), fm_dtype_name(out->dtype), transpose ? "transpose" : "convert");
+    } else if (exact128) {
         if (!transpose || in->scale_mode != out->scale_mode || in->dtype != out->dtype)
             return fm_error(ctx, FM_ERR_INVALID_ARG,
                             "in, out: BLOCK_128x128 supports only the exact transpose to BLOCK_128x128 of the same "
-                            "dtype (got %s %s -> %s %s)",
+                            "dtype, and BLOCK_1x128 -> BLOCK_128x128 transposes under the ROWMAX rule (got %s %s -> "
+                            "%s %s)",
                             fm_dtype_name(in->dtype), fm_scale_mode_name(in->scale_mode), fm_dtype_name(out->dtype),
                             fm_scale_mode_name(out->scale_mode));
     } else {
@@ -78,11 +94,11 @@ static fm_status check_requant(fm_context *ctx, const fm_requant_config *cfg, co
             return fm_error(ctx, FM_ERR_INVALID_ARG, "out: scale_mode must be BLOCK_1x128 or MX32, got %s",
                             fm_scale_mode_name(out->scale_mode));
     }
-    if (cfg->rule == FM_REQUANT_ROWMAX &&
+    if (cfg->rule == FM_REQUANT_ROWMAX && !tile_rowmax(cfg, in, out) &&
         (!transpose || in->dtype != out->dtype || in->scale_mode != out->scale_mode))
         return fm_error(ctx, FM_ERR_INVALID_ARG,
-                        "cfg->rule: ROWMAX applies to transposes that keep dtype and scale mode (got %s %s -> %s %s, "
-                        "%s)",
+                        "cfg->rule: ROWMAX applies to transposes that keep dtype and scale mode, or that take "
+                        "BLOCK_1x128 to BLOCK_128x128 (got %s %s -> %s %s, %s)",
                         fm_dtype_name(in->dtype), fm_scale_mode_name(in->scale_mode), fm_dtype_name(out->dtype),
                         fm_scale_mode_name(out->scale_mode), transpose ? "transpose" : "convert");
     if (cfg->rule == FM_REQUANT_MX_FLOOR && out->scale_mode != FM_SCALE_MX32)

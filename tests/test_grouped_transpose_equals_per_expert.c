@@ -18,6 +18,8 @@ typedef struct {
 static const fmt formats[] = {
     {FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128}, {FM_DTYPE_E5M2, FM_SCALE_BLOCK_1x128}, {FM_DTYPE_E4M3, FM_SCALE_MX32},
     {FM_DTYPE_E5M2, FM_SCALE_MX32},        {FM_DTYPE_E2M1, FM_SCALE_MX32},
+    /* outputs only: ROWMAX 1x128 -> one scale per 128 x 128 tile of each group */
+    {FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128}, {FM_DTYPE_E5M2, FM_SCALE_BLOCK_128x128},
 };
 #define NFMT (sizeof formats / sizeof formats[0])
 
@@ -131,6 +133,10 @@ static void check_case(fm_context *ctx, const int64_t *sizes, int64_t G, int64_t
 
 static int accepts(fmt fi, fmt fo, fm_requant_rule rule)
 {
+    if (fi.m == FM_SCALE_BLOCK_128x128)
+        return 0;
+    if (fo.m == FM_SCALE_BLOCK_128x128)
+        return rule == FM_REQUANT_ROWMAX && fi.dt == fo.dt && fi.m == FM_SCALE_BLOCK_1x128;
     if (rule == FM_REQUANT_ROWMAX)
         return fi.dt == fo.dt && fi.m == fo.m;
     if (rule == FM_REQUANT_MX_FLOOR)

@@ -242,6 +242,85 @@ static void test_rowmax_uses_max_row_scale(fm_context *ctx)
     free(x);
 }
 
+/* ROWMAX into BLOCK_128x128: the codes are the ROWMAX 128 x 1 codes, the tile's
+ * one scale is what each of its 128 x 1 blocks got, and a tile with any
+ * non-finite column is NaN as a whole (NaN scale, NaN codes, counted once).
+ * Both scale layouts, partial tiles, E4M3 and E5M2, with and without NaN. */
+static void test_rowmax_tile_output_equals_rowmax_columns(fm_context *ctx)
+{
+    static const int shapes[][2] = {{200, 260}, {128, 128}, {1, 300}, {257, 129}};
+    fm_dtype dts[] = {FM_DTYPE_E4M3, FM_DTYPE_E5M2};
+    for (int si = 0; si < 4; si++)
+        for (int di = 0; di < 2; di++)
+            for (int kind = 0; kind < 4; kind++) {
+                const int R = shapes[si][0], C = shapes[si][1];
+                const fm_dtype dt = dts[di];
+                const fm_scale_layout sl = (kind & 1) ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT;
+                float *x = make_input(1, R, C, kind);
+                fm_tensor xin = fm_tensor_2d(x, FM_DTYPE_F32, R, C);
+                qbuf q = qalloc(1, R, C, dt, FM_LAYOUT_ROWWISE, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT);
+                CHECK(fm_quantize(ctx, NULL, &xin, &q.t, NULL) == FM_OK, "quantize: %s", fm_last_error(ctx));
+                /* A NaN code under a finite scale: only its column's 128 x 1 block is
+                 * non-finite, the whole 128 x 128 tile must be. */
+                if (kind >= 2)
+                    q.data[rnd() % (uint64_t)(R * C)] = fm_elem_nan(dt);
+                qbuf o1 = qalloc(1, R, C, dt, FM_LAYOUT_COLWISE, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT);
+                qbuf o2 = qalloc(1, R, C, dt, FM_LAYOUT_COLWISE, FM_SCALE_BLOCK_128x128, sl);
+                int64_t n1 = -1, n2 = -1;
+                fm_requant_config r1 = {.rule = FM_REQUANT_ROWMAX, .nonfinite_blocks = &n1};
+                fm_requant_config r2 = {.rule = FM_REQUANT_ROWMAX, .nonfinite_blocks = &n2};
+                CHECK(fm_transpose_scaled(ctx, &r1, &q.t, &o1.t) == FM_OK, "128x1: %s", fm_last_error(ctx));
+                CHECK(fm_transpose_scaled(ctx, &r2, &q.t, &o2.t) == FM_OK, "128x128: %s", fm_last_error(ctx));
+                const float *s1 = o1.scale, *s2 = o2.scale;
+                const int nbc = (R + 127) / 128, ntc = (C + 127) / 128;
+                int64_t bad_tiles = 0;
+                const uint8_t nan = fm_elem_nan(dt);
+                for (int tc = 0; tc < ntc; tc++)
+                    for (int tr = 0; tr < nbc; tr++) {
+                        int bad = 0;
+                        for (int j = tc * 128; j < C && j < tc * 128 + 128; j++)
+                            bad |= isnan(s1[j * nbc + tr]);
+                        bad_tiles += bad;
+                        /* stored [C, R]: tile (tc, tr) is stored rows tc*128.., columns tr*128.. */
+                        float ts = s2[fm_scale_offset(FM_SCALE_BLOCK_128x128, sl, C, R, tc * 128, tr * 128)];
+                        float want = bad ? NAN : s1[tc * 128 * nbc + tr];
+                        CHECK(bad ? isnan(ts) : ts == want, "%dx%d %s tile (%d,%d): scale %g want %g", R, C,
+                              fm_dtype_name(dt), tc, tr, ts, want);
+                        for (int j = tc * 128; j < C && j < tc * 128 + 128; j++) {
+                            if (!bad)
+                                CHECK(s1[j * nbc + tr] == want, "column %d of tile (%d,%d): scale %g, tile %g", j,
+                                      tc, tr, s1[j * nbc + tr], want);
+                            for (int i = tr * 128; i < R && i < tr * 128 + 128; i++)
+                                CHECK(o2.data[j * R + i] == (bad ? nan : o1.data[j * R + i]),
+                                      "%dx%d %s (%d,%d): code 0x%02x, 128x1 gives 0x%02x (bad %d)", R, C,
+                                      fm_dtype_name(dt), i, j, o2.data[j * R + i], o1.data[j * R + i], bad);
+                        }
+                    }
+                CHECK(n2 == bad_tiles, "nonfinite_blocks %lld, %lld tiles hold non-finite values", (long long)n2,
+                      (long long)bad_tiles);
+                CHECK(kind < 2 || bad_tiles > 0, "the NaN input made no tile non-finite");
+                qfree(&q);
+                qfree(&o1);
+                qfree(&o2);
+                free(x);
+            }
+    /* TIGHT cannot give one scale per tile, nor can a conversion. */
+    qbuf q = qalloc(1, 64, 64, FM_DTYPE_E4M3, FM_LAYOUT_ROWWISE, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT);
+    qbuf o = qalloc(1, 64, 64, FM_DTYPE_E4M3, FM_LAYOUT_COLWISE, FM_SCALE_BLOCK_128x128, FM_SCALE_LAYOUT_COMPACT);
+    for (int i = 0; i < 64 * 64; i++)
+        q.data[i] = 0x38;
+    for (int i = 0; i < 64; i++)
+        ((float *)q.scale)[i] = 1.0f;
+    CHECK(fm_transpose_scaled(ctx, NULL, &q.t, &o.t) == FM_ERR_INVALID_ARG && strstr(fm_last_error(ctx), "ROWMAX"),
+          "TIGHT 1x128 -> 128x128 accepted: %s", fm_last_error(ctx));
+    fm_requant_config rm = {.rule = FM_REQUANT_ROWMAX};
+    o.t.dtype = FM_DTYPE_E5M2;
+    CHECK(fm_transpose_scaled(ctx, &rm, &q.t, &o.t) == FM_ERR_INVALID_ARG && strstr(fm_last_error(ctx), "dtype"),
+          "ROWMAX E4M3 -> E5M2 128x128 accepted: %s", fm_last_error(ctx));
+    qfree(&q);
+    qfree(&o);
+}
+
 static void test_128x128_transpose_is_exact(fm_context *ctx)
 {
     int R = 300, C = 200;
@@ -334,6 +413,7 @@ int main(void)
     test_every_code_every_shift();
     test_tight_equals_quantize_of_dequantized(ctx);
     test_rowmax_uses_max_row_scale(ctx);
+    test_rowmax_tile_output_equals_rowmax_columns(ctx);
     test_128x128_transpose_is_exact(ctx);
     test_nan_block_stays_nan(ctx);
     test_non_pow2_scale_is_refused(ctx);

@@ -50,7 +50,7 @@ static void transpose_128x128(const fm_tensor *in, fm_tensor *out, int64_t E, in
 typedef struct rq_plan {
     const fm_tensor *in, *out;
     fm_dtype ti, to;
-    int transpose, rowmax;
+    int transpose, rowmax, tile; /* tile: a 128x128 output (1x128 in, ROWMAX): one block per 128 x 128 tile */
     int64_t bi, bo;
     int lut[256]; /* P of each code alone, for the output format */
     int *pin, *pout;
@@ -76,6 +76,7 @@ static fm_status plan_init(fm_context *ctx, rq_plan *pl, const fm_requant_config
     pl->to = out->dtype;
     pl->transpose = in->layout != out->layout;
     pl->rowmax = cfg->rule == FM_REQUANT_ROWMAX;
+    pl->tile = out->scale_mode == FM_SCALE_BLOCK_128x128;
     pl->bi = fm_mode_block_cols(in->scale_mode);
     pl->bo = fm_mode_block_cols(out->scale_mode);
     int64_t Ro = pl->transpose ? Ci : max_rows, Co = pl->transpose ? max_rows : Ci;
@@ -169,6 +170,17 @@ static int64_t requant_matrix(rq_plan *pl, const rq_matrix *m)
             if (q > pout[k])
                 pout[k] = q;
         }
+    /* A 128x128 output block is the 128 stored rows of a tile: ROWMAX gave
+     * them one exponent, and one non-finite column makes the whole tile so. */
+    if (pl->tile)
+        for (int64_t t0 = 0; t0 < Ro; t0 += 128)
+            for (int64_t cb = 0; cb < nbo; cb++) {
+                uint8_t any = 0;
+                for (int64_t ro = t0; ro < Ro && ro < t0 + 128; ro++)
+                    any |= bad[ro * nbo + cb];
+                for (int64_t ro = t0; ro < Ro && ro < t0 + 128; ro++)
+                    bad[ro * nbo + cb] = any;
+            }
     float *so32 = (float *)m->so;
     if (out->scale_dtype == FM_DTYPE_E8M0)
         memset(m->so, 127, (size_t)sout);
@@ -182,7 +194,7 @@ static int64_t requant_matrix(rq_plan *pl, const rq_matrix *m)
             int64_t off = fm_scale_offset(out->scale_mode, out->scale_layout, Ro, Co, ro, cb * bo);
             int p = pout[k] == P_EMPTY ? 0 : pout[k] < -127 ? -127 : pout[k] > 127 ? 127 : pout[k];
             pout[k] = p;
-            nbad += bad[k];
+            nbad += bad[k] && (!pl->tile || ro % 128 == 0);
             if (out->scale_dtype == FM_DTYPE_E8M0)
                 m->so[off] = bad[k] ? (uint8_t)FM_E8M0_NAN : (uint8_t)(p + 127);
             else

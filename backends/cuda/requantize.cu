@@ -88,6 +88,7 @@ typedef struct rqparams {
     int in_mode, in_layout, in_e8, bi, bi_shift;
     int out_mode, out_layout, out_e8, bo, bo_shift;
     int rule;
+    int tile; /* a BLOCK_128x128 output of a 1x128 input (ROWMAX): one exponent per 128 x 128 tile */
     int vec_in, vec_out;
     int vec_in16; /* rows of whole 16-byte chunks from a 16-byte aligned base (FP8) */
     int64_t R, C;     /* stored input matrix */
@@ -178,7 +179,7 @@ FM_DI int64_t rq_scale_off(int mode, int layout, int64_t R, int64_t C, int64_t n
                            int64_t r, int64_t c)
 {
     if (layout == FM_SCALE_LAYOUT_COMPACT)
-        return base + r * nb + (c >> shift);
+        return base + (mode == FM_SCALE_BLOCK_128x128 ? r >> 7 : r) * nb + (c >> shift);
     return base + fm_scale_offset((fm_scale_mode)mode, (fm_scale_layout)layout, R, C, r, c);
 }
 
@@ -923,6 +924,37 @@ FM_DI uint32_t rqf_block_max(uint32_t v, bool b128)
     return v;
 }
 
+/* ROWMAX's only question to the codes: which of the lane's 8 columns hold,
+ * in any row of their output block, a non-finite code or a row whose input
+ * scale is NaN (bit j). The block's lanes are combined as in rqf_block_max;
+ * rows outside the matrix (invalid p_in) hold nothing. */
+template <int TI>
+FM_DI uint32_t rqf_nonfinite_cols(const uint32_t (&col)[8][2], const int (&pk)[8], bool b128)
+{
+    const uint32_t mag = TI == FM_DTYPE_E4M3 ? 0x7F7F7F7Fu : 0x7C7C7C7Cu; /* NaN (E4M3), Inf/NaN (E5M2) */
+    uint32_t vm[2] = {0u, 0u};
+    bool nan_row = false;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        if (rq_pin_valid(pk[k]))
+            vm[k >> 2] |= 0xFFu << (8 * (k & 3));
+        nan_row = nan_row || pk[k] == RQ_NAN_ROW;
+    }
+    uint32_t bits = nan_row ? 0xFFu : 0u;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        const uint32_t e = (__vcmpeq4(col[j][0] & mag, mag) & vm[0]) | (__vcmpeq4(col[j][1] & mag, mag) & vm[1]);
+        bits |= (e != 0u ? 1u : 0u) << j;
+    }
+#pragma unroll
+    for (int s = 2; s <= 16; s <<= 1) {
+        if (s >= 8 && !b128)
+            break;
+        bits |= __shfl_xor_sync(0xFFFFFFFFu, bits, s);
+    }
+    return bits;
+}
+
 /* A column's 8 codes in the common case (every row's d = p_in - p_out in
  * [-14, 15]): the packed half-precision multiplier 2^d of rows 2q, 2q + 1
  * is Rp[q] (their p_in - rlo) plus the column's (rlo - p_out + 15), one
@@ -1071,9 +1103,13 @@ __global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqp
         const bool b128 = p.bo == 128;
 
         /* 1. block maxima of |value| 2^(p_in - Q), two columns a word: the
-         * lane's 8 rows, then the lanes of the block (rg bits: lane bits 1-4) */
-        uint32_t kp[4];
-        {
+         * lane's 8 rows, then the lanes of the block (rg bits: lane bits 1-4).
+         * ROWMAX takes its exponents from the input scales (qs) and only
+         * needs to know which columns hold a non-finite value: bit j of nfb. */
+        uint32_t kp[4] = {0u, 0u, 0u, 0u}, nfb = 0u;
+        if (p.rule == FM_REQUANT_ROWMAX)
+            nfb = rqf_nonfinite_cols<TI>(col, pk, b128);
+        else {
             uint32_t F[4];
 #pragma unroll
             for (int q = 0; q < 4; q++)
@@ -1112,7 +1148,7 @@ __global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqp
             const uint32_t kw = j < 2 ? kp[0] : j < 4 ? kp[1] : j < 6 ? kp[2] : kp[3];
             const uint32_t K = (kw >> (16 * (j & 1))) & 0xFFFFu;
             int key;
-            if (K >= 0x7C00u)
+            if (p.rule == FM_REQUANT_ROWMAX ? ((nfb >> j) & 1u) != 0u : K >= 0x7C00u)
                 key = RQ_BIG;
             else if (p.rule == FM_REQUANT_ROWMAX)
                 key = qs[buf][1 + 4 * g + (c >> p.bi_shift)];
@@ -1129,9 +1165,19 @@ __global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqp
                 fail[e] = mine;
             } else {
                 pv[e] = rq_block_exp(key);
-                if (mine)
+                if (mine && !p.tile)
                     rq_put_scale(p, tile, ro, co, pv[e] == RQ_BADP, pv[e]);
             }
+        }
+        if (p.tile) {
+            /* One block a tile (ROWMAX: the columns' exponents agree): non-finite
+             * as a whole when any stored column is, its scale stored once. The
+             * columns' keys come from qs, never RQ_KEY_MIN, so none failed. */
+            const bool bad = __syncthreads_or(pv[0] == RQ_BADP && tile.c0 + cl + jj < p.Ro);
+            if (bad)
+                pv[0] = RQ_BADP;
+            if (tid == 0)
+                rq_put_scale(p, tile, tile.c0, tile.r0, bad, pv[0]);
         }
         if (__any_sync(0xFFFFFFFFu, fail[0] | fail[1])) {
             /* The CPU's keys, element by element, for the blocks K could not settle. */
@@ -1816,6 +1862,7 @@ static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_
     p.bi_shift = rq_log2(p.bi);
     p.bo_shift = rq_log2(p.bo);
     p.rule = cfg->rule;
+    p.tile = in->scale_mode == FM_SCALE_BLOCK_1x128 && out->scale_mode == FM_SCALE_BLOCK_128x128;
     p.R = R;
     p.C = C;
     p.Ro = tr ? C : R;

@@ -48,6 +48,13 @@ typedef struct fm_requant_config {
  * in one pass. A block holding NaN stays NaN (NaN scale, NaN codes).
  * BLOCK_128x128 -> BLOCK_128x128 of the same dtype is the exact transpose of
  * codes and scale grid (any F32 scales).
+ * FP8 BLOCK_1x128 -> BLOCK_128x128 of the same dtype, rule ROWMAX only: the
+ * ROWMAX transpose gives every 128 x 1 block of a 128 x 128 tile the same
+ * exponent (the largest row exponent of the tile), so its codes are exactly
+ * the 128 x 1 output's and the tile's one scale is that exponent. A tile with
+ * any non-finite block is non-finite as a whole (NaN scale, NaN codes) and
+ * counts once in nonfinite_blocks. This is the operand the k-grouped weight
+ * gradient takes as x for cuBLASLt's faster 1x128 x 128x128 product.
  * An input F32 scale that is not a power of two (or is 0, negative or Inf) is
  * rejected with FM_ERR_INVALID_ARG. */
 fm_status fm_transpose_scaled(fm_context *ctx, const fm_requant_config *cfg, const fm_tensor *in, fm_tensor *out);
@@ -70,9 +77,11 @@ fm_status fm_convert_scaled(fm_context *ctx, const fm_requant_config *cfg, const
  * result equals fm_transpose_scaled on its slice alone, nonfinite_blocks
  * counts over all groups, and F32 input scales are checked as there. With
  * an E2M1 `out` every M_i must be even (a group's stored rows are whole
- * bytes); BLOCK_128x128 has no grouped form. Needs splits->host, which also
+ * bytes); a BLOCK_128x128 input has no grouped form. Needs splits->host, which also
  * sizes the CUDA launch; splits->device is not read (the CUDA backend hands
- * the per-group offsets to its kernel without waiting for the device). */
+ * the per-group offsets to its kernel without waiting for the device).
+ * BLOCK_1x128 -> BLOCK_128x128 (ROWMAX) is grouped the same way: each group's
+ * tiles start at its first row. */
 fm_status fm_transpose_scaled_grouped(fm_context *ctx, const fm_requant_config *cfg, const fm_splits *splits,
                                       const fm_tensor *in, fm_tensor *out);
 

@@ -12,6 +12,8 @@
  *   - ROWMAX output == a reference written here: each output block's exponent
  *     is the largest input block exponent it covers, each code the RNE
  *     encoding of the exact value (in double) shifted by it;
+ *   - ROWMAX BLOCK_1x128 -> BLOCK_128x128: the same reference, the 128 x 1
+ *     blocks of each 128 x 128 tile one block (non-finite as a whole);
  *   - BLOCK_128x128 -> BLOCK_128x128: codes and scale grid transposed exactly.
  * Before anything else: a valid call is accepted, nothing crashes. */
 #include <math.h>
@@ -155,15 +157,22 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     fm_scale_layout slin = (b2 & 4) ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT;
     fm_scale_layout slout = (b2 & 8) ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT;
     int full_range = (b2 & 0x30) == 0x30; /* scales at the ends of the range */
-    int exact128 = combos[ci].m == FM_SCALE_BLOCK_128x128 || combos[co].m == FM_SCALE_BLOCK_128x128;
+    /* BLOCK_1x128 -> BLOCK_128x128 of the same FP8 dtype under ROWMAX: one
+     * block a 128 x 128 tile (the ROWMAX reference below, tiles merged). */
+    int tile = combos[ci].m == FM_SCALE_BLOCK_1x128 && combos[co].m == FM_SCALE_BLOCK_128x128 && (b3 & 0x40);
+    if (tile) {
+        co = 5 + (combos[ci].dt == FM_DTYPE_E5M2);
+        transpose = 1;
+    }
+    int exact128 = !tile && (combos[ci].m == FM_SCALE_BLOCK_128x128 || combos[co].m == FM_SCALE_BLOCK_128x128);
     if (exact128) {
         if (combos[ci].m != FM_SCALE_BLOCK_128x128)
             ci = 5 + (ci & 1);
         co = ci;
         transpose = 1;
     }
-    fm_requant_rule rule = (fm_requant_rule)(b3 % 3);
-    if (rule == FM_REQUANT_ROWMAX && (!transpose || ci != co))
+    fm_requant_rule rule = tile ? FM_REQUANT_ROWMAX : (fm_requant_rule)(b3 % 3);
+    if (rule == FM_REQUANT_ROWMAX && !tile && (!transpose || ci != co))
         rule = FM_REQUANT_TIGHT;
     if (rule == FM_REQUANT_MX_FLOOR && combos[co].m != FM_SCALE_MX32)
         rule = FM_REQUANT_TIGHT;
@@ -272,10 +281,19 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                     else if (p > pout[k])
                         pout[k] = p;
                 }
+            if (tile) /* the 128 stored rows of a tile are one block */
+                for (int64_t t0 = 0; t0 < out.R; t0 += 128)
+                    for (int64_t cb = 0; cb < nbo; cb++) {
+                        uint8_t any = 0;
+                        for (int64_t r = t0; r < out.R && r < t0 + 128; r++)
+                            any |= bad[r * nbo + cb];
+                        for (int64_t r = t0; r < out.R && r < t0 + 128; r++)
+                            bad[r * nbo + cb] = any;
+                    }
             for (int64_t k = 0; k < out.R * nbo; k++) {
                 int p = pout[k] < -127 ? -127 : pout[k] > 127 ? 127 : pout[k];
                 pout[k] = p;
-                want_bad += bad[k];
+                want_bad += bad[k] && (!tile || (k / nbo) % 128 == 0);
                 set_scale(&out, ws, scale_off(&out, e, k / nbo, (k % nbo) * bo), p, bad[k]);
             }
             for (int64_t i = 0; i < in.R; i++)

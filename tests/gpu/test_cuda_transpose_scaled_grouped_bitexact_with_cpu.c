@@ -1,7 +1,8 @@
 /* CUDA fm_transpose_scaled_grouped writes the CPU reference's bytes (codes,
  * the grouped scale arrays, GEMM-layout padding, nonfinite count) for every
  * input / output format pair, ragged splits with empty groups and groups of
- * 1, 127, 128 and 129 rows, all rows in one group, and NaN blocks; nothing
+ * 1, 127, 128 and 129 rows, all rows in one group, and NaN blocks, and the
+ * ROWMAX transpose into BLOCK_128x128 (one scale a tile); nothing
  * past the grouped layout is written; non-power-of-two scales are refused
  * alike. fm-xval runs a wider matrix; this is the short form. */
 #include <math.h>
@@ -84,6 +85,9 @@ static void run_case(fm_context *cpu, fm_context *gpu, const int64_t *sizes, int
     in.scale = his;
     fm_tensor xt = fm_tensor_2d(x, FM_DTYPE_F32, rows, N);
     GT_CHECK(fm_quantize(cpu, NULL, &xt, &in, NULL) == FM_OK, "%s: quantize: %s", cs, fm_last_error(cpu));
+    /* and a NaN code under a finite scale: one column block non-finite (a 128x128 tile: all of it) */
+    if (nan_blocks && fi.dt != FM_DTYPE_E2M1 && nid > 0)
+        ((uint8_t *)hid)[rnd() % nid] = fm_elem_nan(fi.dt);
     if (bad_scale && fi.m == FM_SCALE_BLOCK_1x128 && nis >= 4)
         ((float *)his)[rnd() % (nis / 4)] = 0.75f;
 
@@ -179,6 +183,18 @@ int main(void)
                 run_case(cpu, gpu, sz, G, Ns[c % 4], fmts[a], fmts[b], rule, (fm_scale_layout)(c & 1),
                          (fm_scale_layout)((c >> 1) & 1), c % 5 == 0, 0);
             }
+    /* ROWMAX into one scale per 128 x 128 tile of each group (the flow
+     * recipes' x and h for the weight gradients): both FP8 dtypes, both
+     * layouts, NaN tiles. */
+    static const fmt tile_out[] = {{FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128}, {FM_DTYPE_E5M2, FM_SCALE_BLOCK_128x128}};
+    for (int k = 0; k < 8; k++) {
+        for (int g = 0; g < 8; g++)
+            s_rand[g] = rnd() % 4 == 0 ? 0 : (int64_t)(rnd() % 400);
+        const int64_t *sz = k % 3 == 0 ? s_edge : k % 3 == 1 ? s_one : s_rand;
+        const int64_t G = k % 3 == 0 ? 7 : k % 3 == 1 ? 4 : 8;
+        run_case(cpu, gpu, sz, G, Ns[k % 4], fmts[k & 1], tile_out[k & 1], FM_REQUANT_ROWMAX,
+                 (fm_scale_layout)((k >> 1) & 1), (fm_scale_layout)((k >> 2) & 1), k % 3 != 1, 0);
+    }
     /* Refusals: non-power-of-two F32 input scales. */
     static const int64_t s_bad[] = {100, 0, 156};
     for (int k = 0; k < 2; k++)
