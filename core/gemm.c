@@ -93,13 +93,17 @@ static fm_status check_operands(fm_context *ctx, const operand *a, const operand
             return fm_error(ctx, FM_ERR_INVALID_ARG, "%s: an FP8 operand needs a scale_mode, got NONE",
                             ops[i]->name);
     }
-    int ok = wgrad ? ta->scale_mode == FM_SCALE_BLOCK_1x128 && tb->scale_mode == FM_SCALE_BLOCK_1x128
+    /* k-grouped: each expert's X_iᵀ is its own matrix, so 128x128 blocks of
+     * it (ROWMAX transposes) never straddle two experts. */
+    int ok = wgrad ? ta->scale_mode == FM_SCALE_BLOCK_1x128 &&
+                         (tb->scale_mode == FM_SCALE_BLOCK_1x128 || tb->scale_mode == FM_SCALE_BLOCK_128x128)
                    : pair_ok(ta->scale_mode, tb->scale_mode);
     if (!ok)
         return fm_error(ctx, FM_ERR_INVALID_ARG,
                         "%s, %s: scale pair %s x %s is not supported; %s", a->name, b->name,
                         fm_scale_mode_name(ta->scale_mode), fm_scale_mode_name(tb->scale_mode),
-                        wgrad ? "the k-grouped weight gradient takes BLOCK_1x128 x BLOCK_1x128"
+                        wgrad ? "the k-grouped weight gradient takes dy BLOCK_1x128 x x BLOCK_1x128 or "
+                                "BLOCK_128x128"
                               : "use TENSOR x TENSOR, ROW x ROW, BLOCK_1x128 x BLOCK_128x128, "
                                 "BLOCK_1x128 x BLOCK_1x128 or BLOCK_128x128 x BLOCK_128x128");
     return FM_OK;

@@ -154,7 +154,8 @@ int main(void)
     CASE(OP_GROUPED, (c.sp.groups = 2), "splits->groups: 2, but b has 3 experts");
     CASE(OP_GROUPED, (c.a.scale_mode = FM_SCALE_BLOCK_128x128), "a: BLOCK_128x128 blocks would straddle");
     CASE(OP_GROUPED, (c.b.ndim = 2), "b: must be 3-D");
-    CASE(OP_KGROUPED, (c.b.scale_mode = FM_SCALE_BLOCK_128x128), "the k-grouped weight gradient takes BLOCK_1x128 x BLOCK_1x128");
+    CASE(OP_KGROUPED, (c.a.scale_mode = FM_SCALE_BLOCK_128x128), "the k-grouped weight gradient takes dy BLOCK_1x128 x x BLOCK_1x128 or BLOCK_128x128");
+    CASE(OP_KGROUPED, (c.b.scale_mode = FM_SCALE_ROW), "the k-grouped weight gradient takes dy BLOCK_1x128 x x BLOCK_1x128 or BLOCK_128x128");
     CASE(OP_KGROUPED, (c.a.layout = FM_LAYOUT_ROWWISE), "dy: the k-grouped weight gradient needs dY's grouped column-wise copy");
     CASE(OP_KGROUPED, (c.a.scale_capacity = 4 * 32 + 4), "dy: scale_capacity is 132 bytes but the grouped compact layout over these splits needs 256");
     CASE(OP_KGROUPED, (c.sp.host = NULL), "splits->host: NULL");

@@ -1,7 +1,8 @@
 /* fm_grouped_gemm (m-grouped) and fm_grouped_gemm_wgrad (k-grouped) give,
  * expert by expert, bit for bit what the DESIGN.md rule gives on that
  * expert's slice alone (gemm_ref.h): ragged splits, empty experts, all rows
- * in one expert, one expert, every scale pair, both scale layouts; the
+ * in one expert, one expert, every scale pair (k-grouped: x 1x128 or
+ * 128x128), both scale layouts; the
  * k-grouped operands in the grouped column-wise layout are assembled by hand
  * here from per-expert matrices and scale arrays. Rows of an empty expert
  * are never written. */
@@ -72,8 +73,11 @@ static void m_grouped(fm_context *ctx, const pair *p, int64_t E, int pattern)
 }
 
 /* dW_e = dY_eᵀ · X_e: A_e = dY_eᵀ [N, M_e], B_e = X_eᵀ [K, M_e]. */
-static void k_grouped(fm_context *ctx, int fp8, int64_t E, int pattern)
+/* kind 0: BF16; 1: FP8 dy 1x128 x x 1x128; 2: FP8 dy 1x128 x x 128x128 (the
+ * flow recipes' ROWMAX column copies of x and h). */
+static void k_grouped(fm_context *ctx, int kind, int64_t E, int pattern)
 {
+    const int fp8 = kind != 0;
     int64_t splits[8], S = 0;
     random_splits(splits, E, pattern);
     for (int64_t e = 0; e < E; e++)
@@ -84,6 +88,7 @@ static void k_grouped(fm_context *ctx, int fp8, int64_t E, int pattern)
     fm_scale_layout sl = tu_randint(0, 1) ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT;
     fm_dtype da = fp8 ? FM_DTYPE_E4M3 : FM_DTYPE_BF16, db = fp8 ? (fm_dtype)tu_randint(3, 4) : FM_DTYPE_BF16;
     fm_scale_mode m = fp8 ? FM_SCALE_BLOCK_1x128 : FM_SCALE_NONE;
+    fm_scale_mode mx = kind == 2 ? FM_SCALE_BLOCK_128x128 : m;
     /* Row-wise per-expert [N, M_e] matrices concatenate into the grouped
      * column-wise layout; column-wise ones ([M_e, N] stored) into the plain
      * row-wise tensor (unscaled only). */
@@ -96,7 +101,7 @@ static void k_grouped(fm_context *ctx, int fp8, int64_t E, int pattern)
     int64_t row0 = 0, sa = 0, sb = 0;
     for (int64_t e = 0; e < E; e++) {
         gr_make(&A[e], da, m, sl, le, 1, N, splits[e], GR_RANDOM);
-        gr_make(&B[e], db, m, sl, le, 1, K, splits[e], GR_RANDOM);
+        gr_make(&B[e], db, mx, sl, le, 1, K, splits[e], GR_RANDOM);
         memcpy(dyd + row0 * N * ea, A[e].data, (size_t)splits[e] * N * ea);
         memcpy(xd + row0 * K * eb, B[e].data, (size_t)splits[e] * K * eb);
         if (fp8) {
@@ -111,7 +116,8 @@ static void k_grouped(fm_context *ctx, int fp8, int64_t E, int pattern)
     fm_tensor dy = fm_tensor_2d(dyd, da, S, N), x = fm_tensor_2d(xd, db, S, K);
     dy.layout = x.layout = lt;
     if (fp8) {
-        dy.scale_mode = x.scale_mode = m;
+        dy.scale_mode = m;
+        x.scale_mode = mx;
         dy.scale_layout = x.scale_layout = sl;
         dy.scale = dys;
         x.scale = xs;
@@ -124,8 +130,9 @@ static void k_grouped(fm_context *ctx, int fp8, int64_t E, int pattern)
     fm_splits sp = {.groups = E, .host = splits};
     fm_gemm_config cfg = {.accumulate = acc};
     char what[200];
-    snprintf(what, sizeof what, "k-grouped %s x %s %s, %s E %lld pattern %d sum M %lld N %lld K %lld -> %s%s",
-             fm_dtype_name(da), fm_dtype_name(db), fm_layout_name(lt), fm_scale_layout_name(sl), (long long)E,
+    snprintf(what, sizeof what, "k-grouped %s x %s %s (x %s), %s E %lld pattern %d sum M %lld N %lld K %lld -> %s%s",
+             fm_dtype_name(da), fm_dtype_name(db), fm_layout_name(lt), fm_scale_mode_name(mx),
+             fm_scale_layout_name(sl), (long long)E,
              pattern, (long long)S, (long long)N, (long long)K, fm_dtype_name(out), acc ? " accumulate" : "");
     fm_status st = fm_grouped_gemm_wgrad(ctx, &cfg, &sp, &dy, &x, &dw);
     CHECK(st == FM_OK, "%s: %s: %s", what, fm_status_name(st), fm_last_error(ctx));
@@ -173,11 +180,11 @@ int main(void)
         for (int ei = 0; ei < 3; ei++)
             for (int pattern = 0; pattern < 3; pattern++)
                 m_grouped(ctx, &pairs[p], Es[ei], pattern);
-    for (int fp8 = 0; fp8 < 2; fp8++)
+    for (int kind = 0; kind < 3; kind++)
         for (int ei = 0; ei < 3; ei++)
             for (int pattern = 0; pattern < 3; pattern++)
                 for (int rep = 0; rep < 2; rep++)
-                    k_grouped(ctx, fp8, Es[ei], pattern);
+                    k_grouped(ctx, kind, Es[ei], pattern);
     fm_context_destroy(ctx);
     return tu_end();
 }

@@ -68,6 +68,12 @@ const char *fm_cuda_gemm_sm90_why_not(fm_context *ctx, const fm_splits *splits, 
                                       const fm_tensor *b, const fm_tensor *d);
 fm_status fm_cuda_gemm_sm90(fm_context *ctx, const fm_gemm_config *cfg, const fm_splits *splits, const fm_tensor *a,
                             const fm_tensor *b, fm_tensor *d);
+/* F32 products with M or N at most 16 (gemm_f32_skinny.cu): which kernel
+ * takes D [M, N] = A · Bᵀ (0: none), and the product. */
+int fm_cuda_gemm_skinny_kind(const fm_tensor *a, const fm_tensor *b, const fm_tensor *d, int64_t M, int64_t N,
+                             int64_t K);
+fm_status fm_cuda_gemm_skinny(fm_context *ctx, const fm_gemm_config *cfg, const fm_tensor *a, const fm_tensor *b,
+                              fm_tensor *d, int kind);
 fm_status fm_cuda_grouped_gemm_wgrad(fm_context *ctx, const fm_gemm_config *cfg, const fm_splits *splits,
                                      const fm_tensor *dy, const fm_tensor *x, fm_tensor *dw);
 /* Frees the GEMM plans and streams (context destroy). */

@@ -576,6 +576,14 @@ extern "C" fm_status fm_cuda_gemm(fm_context *ctx, const fm_gemm_config *cfg, co
         fm_cuda_leave(ctx, &g, cudaSuccess, "fm_gemm");
         return st;
     }
+    /* F32 with a side of at most 16 (the router's GEMMs): a streaming kernel
+     * unless cuBLASLt is asked for. */
+    int skinny = cfg->impl == FM_GEMM_IMPL_LIBRARY ? 0 : fm_cuda_gemm_skinny_kind(a, b, d, M, N, K);
+    if (skinny) {
+        st = fm_cuda_gemm_skinny(ctx, cfg, a, b, d, skinny);
+        fm_cuda_leave(ctx, &g, cudaSuccess, "fm_gemm");
+        return st;
+    }
     lt_op oa = op_of(a, a->data, M, K), ob = op_of(b, b->data, N, K);
     size_t sa_bytes = 0, sb_bytes = 0;
     /* TENSOR and ROW scales read the same in both layouts. */
@@ -834,7 +842,7 @@ extern "C" fm_status fm_cuda_grouped_gemm_wgrad(fm_context *ctx, const fm_gemm_c
     for (int64_t e = 0; e < E; e++)
         if (splits->host[e] > 0)
             scale_bytes += (rep ? repack_bytes(FM_SCALE_BLOCK_1x128, N, splits->host[e]) : 0) +
-                           (repx ? repack_bytes(FM_SCALE_BLOCK_1x128, K, splits->host[e]) : 0);
+                           (repx ? repack_bytes(x->scale_mode, K, splits->host[e]) : 0);
     void *scratch;
     int owned;
     if ((st = fm_cuda_scratch(ctx, scale_bytes + GEMM_STREAMS * LT_WS_GROUPED, &scratch, &owned,
@@ -881,9 +889,9 @@ extern "C" fm_status fm_cuda_grouped_gemm_wgrad(fm_context *ctx, const fm_gemm_c
             p += repack_bytes(FM_SCALE_BLOCK_1x128, N, m);
         }
         if (repx && !st) {
-            st = repack_add(ctx, bx, j->b.scale, FM_SCALE_BLOCK_1x128, x->scale_layout, K, m, 0, (float *)p, K, m);
+            st = repack_add(ctx, bx, j->b.scale, x->scale_mode, x->scale_layout, K, m, 0, (float *)p, K, m);
             j->b.scale = (const float *)p;
-            p += repack_bytes(FM_SCALE_BLOCK_1x128, K, m);
+            p += repack_bytes(x->scale_mode, K, m);
         }
         j->M = N;
         j->N = K;
@@ -892,7 +900,7 @@ extern "C" fm_status fm_cuda_grouped_gemm_wgrad(fm_context *ctx, const fm_gemm_c
         j->ldd = K;
         if (fp8) {
             soff_dy += fm_scale_count_2d(FM_SCALE_BLOCK_1x128, dy->scale_layout, N, m);
-            soff_x += fm_scale_count_2d(FM_SCALE_BLOCK_1x128, x->scale_layout, K, m);
+            soff_x += fm_scale_count_2d(x->scale_mode, x->scale_layout, K, m);
         }
         row0 += m;
     }

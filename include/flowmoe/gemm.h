@@ -13,13 +13,18 @@
  *     transpose. Scale pairs (A x B):
  *       TENSOR x TENSOR, ROW x ROW (per-row of A times per-row of B),
  *       BLOCK_1x128 x BLOCK_128x128 (DeepSeek: activations x weights),
- *       BLOCK_1x128 x BLOCK_1x128 (both 1x128 along K: the weight gradient),
+ *       BLOCK_1x128 x BLOCK_1x128 (both 1x128 along K: the weight gradient;
+ *       the k-grouped form also takes x BLOCK_128x128),
  *       BLOCK_128x128 x BLOCK_128x128 (CPU only: cuBLASLt has no such mode,
  *       the CUDA backend answers FM_ERR_UNSUPPORTED).
  *     Scales in either layout (COMPACT or GEMM).
  *     The CUDA backend (cuBLASLt) needs FP8 K to be a multiple of 16 (for the
  *     k-grouped form: every M_i); otherwise FM_ERR_UNSUPPORTED.
- *   - BF16 x BF16 (the bf16 recipe) or F32 x F32, any storage layout.
+ *   - BF16 x BF16 (the bf16 recipe) or F32 x F32, any storage layout. On
+ *     CUDA an F32 product with M or N at most 16 whose large operand streams
+ *     in rows (N small: A and B with K contiguous; M small: B with N
+ *     contiguous; the router's GEMMs) runs a memory-bound kernel of its own
+ *     that sums in a fixed order; cfg->impl LIBRARY keeps it on cuBLASLt.
  * Output D: BF16 or F32, row-wise, unscaled. With cfg->accumulate, D must be
  * F32 and the product is added to it (beta = 1: main-grad accumulation).
  *
@@ -116,8 +121,10 @@ fm_status fm_grouped_gemm(fm_context *ctx, const fm_gemm_config *cfg, const fm_s
  * column-wise matrix ([N, M_i] row-major for dy) with its own scale array in
  * the tensor's scale layout, and the experts' matrices and scale arrays follow
  * each other in split order. So 1x128 blocks run along M and restart at every
- * expert: M_i need not be a multiple of 128. FP8 BLOCK_1x128 x BLOCK_1x128,
- * or BF16/F32 unscaled. dw is [E, N, K], F32 (usually with cfg->accumulate)
+ * expert: M_i need not be a multiple of 128. FP8 dy BLOCK_1x128 x x
+ * BLOCK_1x128 or BLOCK_128x128 (one scale per 128 x 128 tile of each expert's
+ * X_iᵀ, as the ROWMAX transpose writes it; cuBLASLt runs that pair about 1.2x
+ * faster on H100), or BF16/F32 unscaled. dw is [E, N, K], F32 (usually with cfg->accumulate)
  * or BF16. An empty expert's dW_i is 0 (unchanged when accumulating). */
 fm_status fm_grouped_gemm_wgrad(fm_context *ctx, const fm_gemm_config *cfg, const fm_splits *splits,
                                 const fm_tensor *dy, const fm_tensor *x, fm_tensor *dw);

@@ -257,6 +257,45 @@ static void dense(fm_context *cpu, fm_context *gpu, const pair_t *p, int64_t M, 
     drop(&D);
 }
 
+/* F32 with a side of at most 16 (gemm_f32_skinny.cu, the router's GEMMs):
+ * the layouts that route there, odd sizes (no float4 path), NaN, and
+ * accumulation; run twice, the bits must not move. */
+static void skinny(fm_context *cpu, fm_context *gpu, int64_t M, int64_t N, int64_t K, fm_layout la, fm_layout lb,
+                   int acc, int nan)
+{
+    pairt A, B, D = out_pair(FM_DTYPE_F32, 2, 1, M, N);
+    fill(&A, operand(FM_DTYPE_F32, FM_SCALE_NONE, FM_SCALE_LAYOUT_COMPACT, la, 2, 1, M, K), 0);
+    fill(&B, operand(FM_DTYPE_F32, FM_SCALE_NONE, FM_SCALE_LAYOUT_COMPACT, lb, 2, 1, N, K), 0);
+    if (nan) {
+        ((float *)A.h.data)[rnd() % (A.nd / 4)] = NAN;
+        upload(&A);
+    }
+    GT_CUDA(acc ? cudaMemcpy(D.d.data, D.h.data, D.nd, cudaMemcpyHostToDevice) : cudaMemset(D.d.data, 0xFF, D.nd));
+    fm_gemm_config cfg = {.accumulate = acc};
+    char what[200];
+    snprintf(what, sizeof what, "skinny F32 %s x %s M %lld N %lld K %lld%s%s", fm_layout_name(la), fm_layout_name(lb),
+             (long long)M, (long long)N, (long long)K, acc ? " accumulate" : "", nan ? " NaN" : "");
+    fm_status sc = fm_gemm(cpu, &cfg, &A.h, &B.h, &D.h), sg = fm_gemm(gpu, &cfg, &A.d, &B.d, &D.d);
+    GT_CHECK(sc == FM_OK && sg == FM_OK, "%s: cpu %s, cuda %s: %s", what, fm_status_name(sc), fm_status_name(sg),
+             fm_last_error(gpu));
+    if (sc == FM_OK && sg == FM_OK) {
+        GT_CUDA(cudaDeviceSynchronize());
+        compare(&D, what);
+        if (!acc) { /* the same call again: identical bits */
+            uint8_t *g1 = malloc(D.nd), *g2 = malloc(D.nd);
+            GT_CUDA(cudaMemcpy(g1, D.d.data, D.nd, cudaMemcpyDeviceToHost));
+            GT_CHECK(fm_gemm(gpu, &cfg, &A.d, &B.d, &D.d) == FM_OK, "%s: second call", what);
+            GT_CUDA(cudaMemcpy(g2, D.d.data, D.nd, cudaMemcpyDeviceToHost));
+            GT_CHECK(!memcmp(g1, g2, D.nd), "%s: a second run gave other bits", what);
+            free(g1);
+            free(g2);
+        }
+    }
+    drop(&A);
+    drop(&B);
+    drop(&D);
+}
+
 /* Where the split sizes live for the GPU call. */
 enum { SPLITS_HOST, SPLITS_BOTH, SPLITS_DEVICE };
 
@@ -402,29 +441,32 @@ static void native_shapes(fm_context *cpu, fm_context *gpu)
     impl = FM_GEMM_IMPL_AUTO;
 }
 
-/* k-grouped: the grouped column-wise scale arrays, sized per expert. */
-static void kgrouped(fm_context *cpu, fm_context *gpu, int isfp8, int64_t E, const int64_t *splits, int64_t N,
+/* k-grouped: the grouped column-wise scale arrays, sized per expert. kind 0:
+ * BF16; 1: FP8 x 1x128; 2: FP8 x 128x128 (one scale a tile of each expert). */
+static void kgrouped(fm_context *cpu, fm_context *gpu, int kind, int64_t E, const int64_t *splits, int64_t N,
                      int64_t K, fm_dtype out, int acc)
 {
+    const int isfp8 = kind != 0;
+    fm_scale_mode m = isfp8 ? FM_SCALE_BLOCK_1x128 : FM_SCALE_NONE;
+    fm_scale_mode mx = kind == 2 ? FM_SCALE_BLOCK_128x128 : m;
     int64_t S = 0, nsy = 0, nsx = 0;
     fm_scale_layout sl = rnd() & 1 ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT;
     for (int64_t e = 0; e < E; e++) {
         S += splits[e];
         nsy += fm_scale_count_2d(FM_SCALE_BLOCK_1x128, sl, N, splits[e]);
-        nsx += fm_scale_count_2d(FM_SCALE_BLOCK_1x128, sl, K, splits[e]);
+        nsx += fm_scale_count_2d(isfp8 ? mx : FM_SCALE_BLOCK_1x128, sl, K, splits[e]);
     }
     fm_dtype dt = isfp8 ? FM_DTYPE_E4M3 : FM_DTYPE_BF16;
-    fm_scale_mode m = isfp8 ? FM_SCALE_BLOCK_1x128 : FM_SCALE_NONE;
     fm_layout lay = isfp8 || (rnd() & 1) ? FM_LAYOUT_COLWISE : FM_LAYOUT_ROWWISE;
     pairt Y, X, D = out_pair(out, 3, E, N, K);
     fill(&Y, operand(dt, m, sl, lay, 2, 1, S, N), isfp8 ? (size_t)nsy : 0);
-    fill(&X, operand(dt, m, sl, lay, 2, 1, S, K), isfp8 ? (size_t)nsx : 0);
+    fill(&X, operand(dt, mx, sl, lay, 2, 1, S, K), isfp8 ? (size_t)nsx : 0);
     GT_CUDA(cudaMemcpy(D.d.data, D.h.data, D.nd, cudaMemcpyHostToDevice));
     fm_splits sp = {.groups = E, .host = splits};
     fm_gemm_config cfg = {.accumulate = acc};
     char what[160];
-    snprintf(what, sizeof what, "k-grouped %s %s E %lld sum M %lld N %lld K %lld -> %s%s", fm_dtype_name(dt),
-             fm_layout_name(lay), (long long)E, (long long)S, (long long)N, (long long)K, fm_dtype_name(out),
+    snprintf(what, sizeof what, "k-grouped %s %s (x %s) E %lld sum M %lld N %lld K %lld -> %s%s", fm_dtype_name(dt),
+             fm_layout_name(lay), fm_scale_mode_name(mx), (long long)E, (long long)S, (long long)N, (long long)K, fm_dtype_name(out),
              acc ? " accumulate" : "");
     fm_status sc = fm_grouped_gemm_wgrad(cpu, &cfg, &sp, &Y.h, &X.h, &D.h);
     fm_status sg = fm_grouped_gemm_wgrad(gpu, &cfg, &sp, &Y.d, &X.d, &D.d);
@@ -469,9 +511,19 @@ int main(void)
     dense(cpu, gpu, &pairs[4], 33, 17, 100, FM_DTYPE_BF16, 0, 0);
     dense(cpu, gpu, &pairs[5], 5, 3, 7, FM_DTYPE_F32, 1, 0);
     native_shapes(cpu, gpu);
+    /* small N: A, B with K contiguous (the router's logits, T 4096 x E 8 over H 7168) */
+    skinny(cpu, gpu, 4096, 8, 7168, FM_LAYOUT_ROWWISE, FM_LAYOUT_ROWWISE, 0, 0);
+    skinny(cpu, gpu, 37, 13, 1001, FM_LAYOUT_ROWWISE, FM_LAYOUT_ROWWISE, 1, 0);
+    skinny(cpu, gpu, 300, 1, 2048, FM_LAYOUT_ROWWISE, FM_LAYOUT_ROWWISE, 0, 1);
+    skinny(cpu, gpu, 1, 16, 3, FM_LAYOUT_ROWWISE, FM_LAYOUT_ROWWISE, 1, 0);
+    /* small M: B with N contiguous (the router's weight gradient, E 8 x H 7168 over T 4096) */
+    skinny(cpu, gpu, 8, 7168, 4096, FM_LAYOUT_COLWISE, FM_LAYOUT_COLWISE, 1, 0);
+    skinny(cpu, gpu, 16, 1000, 777, FM_LAYOUT_ROWWISE, FM_LAYOUT_COLWISE, 0, 1);
+    skinny(cpu, gpu, 3, 33, 5000, FM_LAYOUT_COLWISE, FM_LAYOUT_COLWISE, 0, 0);
+    skinny(cpu, gpu, 9, 1, 1, FM_LAYOUT_ROWWISE, FM_LAYOUT_COLWISE, 1, 0);
     GT_CHECK(native_runs > 0 && native_refusals > 0, "native kernel: %d runs, %d refusals (both expected)",
              native_runs, native_refusals);
-    for (int f = 0; f < 2; f++) {
+    for (int f = 0; f < 3; f++) {
         kgrouped(cpu, gpu, f, 8, kp1, 64, 96, FM_DTYPE_F32, 1);
         kgrouped(cpu, gpu, f, 4, kp2, 33, 130, FM_DTYPE_BF16, 0);
         kgrouped(cpu, gpu, f, 4, sp128, 128, 256, FM_DTYPE_F32, 1);
