@@ -91,6 +91,7 @@ int fm_recipe_parse(const char *name, fm_recipe *out)
 /* ---- sizes ---------------------------------------------------------------- */
 
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 static int pad_of(const fm_moe_layer_config *c)
 {
@@ -128,10 +129,16 @@ static int64_t row_scale_bytes(fm_scale_mode m, int64_t rows, int64_t cols)
     return 0;
 }
 
+/* Grouped column-wise FP8 holds either scale mode its users pick (gcol8,
+ * wcol8) in the GEMM layout: 1x128 (round_up(cols, 4) per 128 rows of a
+ * group) or 128x128 (4-padded block columns per group). */
 static int64_t gcol_scale_bytes(fm_scale_mode m, int64_t rows, int64_t cols, int64_t groups)
 {
-    int64_t blk = m == FM_SCALE_MX32 ? 32 : 128, esz = m == FM_SCALE_MX32 ? 1 : 4;
-    return cols * (rows / blk + groups) * esz;
+    if (m == FM_SCALE_MX32)
+        return cols * (rows / 32 + groups);
+    int64_t b1 = ((cols + 3) & ~(int64_t)3) * (rows / 128 + groups);
+    int64_t b128 = cdiv(cols, 128) * (rows / 128 + 4 * groups);
+    return 4 * (b1 > b128 ? b1 : b128);
 }
 
 typedef struct planner {
@@ -209,7 +216,11 @@ static void plan(fm_moe_layer *L, planner *p)
         L->w2 = take_q(p, B, FM_SCALE_NONE, E * H, I);
         L->w2t = take_q(p, B, FM_SCALE_NONE, E * I, H);
     } else {
-        int64_t b1 = E * cdiv(2 * I, 128) * cdiv(H, 128) * 4, b2 = E * cdiv(H, 128) * cdiv(I, 128) * 4;
+        /* GEMM-layout 128x128 scales, in either orientation (q3) */
+        int64_t b1 = E * 4 * max64(cdiv(2 * I, 128) * ((cdiv(H, 128) + 3) & ~(int64_t)3),
+                                   cdiv(H, 128) * ((cdiv(2 * I, 128) + 3) & ~(int64_t)3));
+        int64_t b2 = E * 4 * max64(cdiv(H, 128) * ((cdiv(I, 128) + 3) & ~(int64_t)3),
+                                   cdiv(I, 128) * ((cdiv(H, 128) + 3) & ~(int64_t)3));
         L->w1.d = take(p, E * 2 * I * H), L->w1.s = take(p, b1);
         L->w1t.d = take(p, E * 2 * I * H), L->w1t.s = take(p, b1);
         L->w2.d = take(p, E * H * I), L->w2.s = take(p, b2);
@@ -311,6 +322,8 @@ static fm_tensor q3(fm_moe_layer *L, const qbuf *q, int64_t e, int64_t rows, int
     t.scale_mode = FM_SCALE_BLOCK_128x128;
     t.scale = q->s.p;
     t.scale_dtype = FM_DTYPE_F32;
+    /* what cuBLASLt and the native kernel read: no repack per GEMM call */
+    t.scale_layout = FM_SCALE_LAYOUT_GEMM;
     return t;
 }
 
@@ -325,10 +338,30 @@ static fm_tensor act4(fm_moe_layer *L, const qbuf *q, int64_t rows, int64_t cols
     return quant(L, q, FM_DTYPE_E2M1, FM_SCALE_MX32, FM_LAYOUT_ROWWISE, rows, cols);
 }
 
-/* Grouped column-wise FP8 [rows, cols] over the experts. */
+/* Grouped column-wise FP8 [rows, cols] over the experts, for the weight
+ * gradients: GEMM-layout scales, which they read without a repack. */
 static fm_tensor gcol8(fm_moe_layer *L, const qbuf *q, int64_t rows, int64_t cols)
 {
-    return quant(L, q, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_LAYOUT_COLWISE, rows, cols);
+    fm_tensor t = quant(L, q, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_LAYOUT_COLWISE, rows, cols);
+    t.scale_layout = FM_SCALE_LAYOUT_GEMM;
+    return t;
+}
+
+/* The flow recipes' column-wise x and h for the weight gradients
+ * (cfg->wgrad_tight_columns), and the transpose rule that makes them
+ * (gcol_scale_bytes sizes their buffers for either mode). */
+static fm_tensor wcol8(fm_moe_layer *L, const qbuf *q, int64_t rows, int64_t cols)
+{
+    fm_scale_mode m = L->cfg.wgrad_tight_columns ? FM_SCALE_BLOCK_1x128 : FM_SCALE_BLOCK_128x128;
+    fm_tensor t = quant(L, q, FM_DTYPE_E4M3, m, FM_LAYOUT_COLWISE, rows, cols);
+    t.scale_layout = FM_SCALE_LAYOUT_GEMM;
+    return t;
+}
+
+static fm_requant_config wcol_rule(const fm_moe_layer *L)
+{
+    return (fm_requant_config){.rule = L->cfg.wgrad_tight_columns ? FM_REQUANT_TIGHT : FM_REQUANT_ROWMAX,
+                               .trusted_pow2_scales = 1};
 }
 
 static fm_tensor bf(fm_moe_layer *L, const qbuf *q, int64_t rows, int64_t cols)
@@ -358,6 +391,9 @@ static fm_status check_config(fm_context *ctx, const fm_moe_layer_config *c)
                         (long long)c->experts);
     if (c->pad_multiple < 0 || c->pad_multiple > 4096)
         return fm_error(ctx, FM_ERR_INVALID_ARG, "cfg->pad_multiple: %d is outside 0..4096", c->pad_multiple);
+    if (c->wgrad_tight_columns != 0 && c->wgrad_tight_columns != 1)
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "cfg->wgrad_tight_columns: %d is neither 0 nor 1",
+                        c->wgrad_tight_columns);
     if ((unsigned)c->score >= FM_ROUTER_SCORE_COUNT)
         return fm_error(ctx, FM_ERR_INVALID_ARG, "cfg->score: %d is not an fm_router_score", (int)c->score);
     if (c->recipe == FM_RECIPE_FP8_FLOW_FP4 && (c->hidden % 32 || c->ffn % 16))
@@ -888,7 +924,8 @@ static fm_status backward(fm_moe_layer *L, const fm_moe_weights *w, const fm_ten
             return st;
         a_saved = bf(L, &L->a, R, 2 * I);
     } else {
-        fm_tensor hcol = gcol8(L, &L->hcol, R, I);
+        fm_tensor hcol = rc == FM_RECIPE_FP8_BLOCKWISE ? gcol8(L, &L->hcol, R, I) : wcol8(L, &L->hcol, R, I);
+        fm_requant_config rqw = wcol_rule(L);
         if (rc == FM_RECIPE_FP8_BLOCKWISE) {
             a_saved = bf(L, &L->a, R, 2 * I);
         } else {
@@ -896,7 +933,7 @@ static fm_status backward(fm_moe_layer *L, const fm_moe_weights *w, const fm_ten
             a_saved = rc == FM_RECIPE_FP8_FLOW ? act8(L, &L->asv, R, 2 * I) : act4(L, &L->asv, R, 2 * I);
             fm_tensor hq = act8(L, &L->hq, R, I);
             if ((st = fm_moe_swiglu(ctx, &qc, &a_saved, &rprobs, &hq, NULL, NULL)) ||
-                (st = fm_transpose_scaled_grouped(ctx, &rq, &sp, &hq, &hcol)))
+                (st = fm_transpose_scaled_grouped(ctx, &rqw, &sp, &hq, &hcol)))
                 return st;
         }
         if ((st = fm_grouped_gemm_wgrad(ctx, &acc, &sp, &dy_col, &hcol, &gw2)))
@@ -933,15 +970,16 @@ static fm_status backward(fm_moe_layer *L, const fm_moe_weights *w, const fm_ten
         if ((st = wgrad_bf16(L, &L->da, 2 * I, &L->xp, H, w->grad_w1)))
             return st;
     } else {
-        fm_tensor xcol = gcol8(L, &L->xcol, R, H);
+        fm_tensor xcol = rc == FM_RECIPE_FP8_BLOCKWISE ? gcol8(L, &L->xcol, R, H) : wcol8(L, &L->xcol, R, H);
+        fm_requant_config rqw = wcol_rule(L);
         if (rc == FM_RECIPE_FP8_FLOW) {
             fm_tensor xp = act8(L, &L->xp, R, H);
-            if ((st = fm_transpose_scaled_grouped(ctx, &rq, &sp, &xp, &xcol)))
+            if ((st = fm_transpose_scaled_grouped(ctx, &rqw, &sp, &xp, &xcol)))
                 return st;
         } else if (rc == FM_RECIPE_FP8_FLOW_FP4) {
             fm_tensor x4 = act4(L, &L->xp4, R, H), x8 = act8(L, &L->xp, R, H);
             if ((st = fm_convert_scaled(ctx, &rq, &x4, &x8)) ||
-                (st = fm_transpose_scaled_grouped(ctx, &rq, &sp, &x8, &xcol)))
+                (st = fm_transpose_scaled_grouped(ctx, &rqw, &sp, &x8, &xcol)))
                 return st;
         }
         if ((st = fm_grouped_gemm_wgrad(ctx, &acc, &sp, &da_col, &xcol, &gw1)))

@@ -83,6 +83,14 @@ typedef struct fm_moe_layer_config {
     fm_recipe recipe;
     int64_t max_tokens;    /* the largest T a step may use (on each rank) */
     fm_comm *comm;         /* expert parallelism over this rank's communicator; NULL: one rank */
+    /* fp8-flow(-fp4): the column-wise copies of x and h that the weight
+     * gradients read are scaled per 128 x 128 tile (0, the default: the ROWMAX
+     * transpose, whose 128 x 1 blocks of a tile share the tile's largest row
+     * scale anyway, so cuBLASLt runs its 1x128 x 128x128 product, about 1.2x
+     * the 1x128 x 1x128 one on H100) or per 128 x 1 column block on its true
+     * amax (1: the TIGHT transpose, which loses fewer small values to
+     * underflow). dy and the SwiGLU input gradient stay TIGHT 128 x 1. */
+    int wgrad_tight_columns;
 } fm_moe_layer_config;
 
 /* Caller-owned F32 tensors in the context's memory, row-major. */
