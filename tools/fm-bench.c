@@ -227,6 +227,7 @@ static const bcase cases[] = {
     {"transpose_scaled E4M3 1x128 row->col, trusted POW2 scales", OP_TRANSPOSE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 1},
     {"transpose_scaled_grouped E4M3 1x128 row->col, 8 experts of 128-row multiples", OP_TRANSPOSE_GROUPED128, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0.85, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 0},
     {"transpose_scaled_grouped E4M3 1x128 row->col, 8 experts of 128-row multiples, trusted POW2 scales (the layer's call)", OP_TRANSPOSE_GROUPED128, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 1},
+    {"transpose_scaled_grouped E4M3 1x128 row -> 128x128 col (ROWMAX), 8 experts of 128-row multiples, trusted POW2 scales (the flow recipes' x and h)", OP_TRANSPOSE_GROUPED128, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128, 1},
     {"transpose_scaled_grouped E4M3 1x128 row->col, 8 ragged experts (not multiples of 16)", OP_TRANSPOSE_GROUPED, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 0},
     {"transpose_scaled E4M3 MX32 row->col", OP_TRANSPOSE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_MX32, 0},
     {"transpose_scaled E2M1 MX32 row->col", OP_TRANSPOSE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E2M1, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E2M1, FM_SCALE_MX32, 0},
@@ -258,7 +259,10 @@ static void run_fn(void *p, int rep)
     run_arg *a = p;
     int k = rep % a->nrot;
     fm_status st;
-    const fm_requant_config rq = {.trusted_pow2_scales = a->c->trusted};
+    /* A 128x128 output takes the one rule that gives it (a tile's 128 x 1 blocks agree under ROWMAX). */
+    const fm_requant_config rq = {
+        .rule = a->c->out_mode == FM_SCALE_BLOCK_128x128 ? FM_REQUANT_ROWMAX : FM_REQUANT_TIGHT,
+        .trusted_pow2_scales = a->c->trusted};
     if (a->c->op == OP_QUANT)
         st = fm_quantize(a->ctx, &a->qc, &a->in[k], a->c->row ? &a->qrow[k] : NULL, a->c->col ? &a->qcol[k] : NULL);
     else if (a->c->op == OP_TRANSPOSE)
@@ -319,7 +323,7 @@ static void free_t(fm_tensor *t)
 
 /* ---- GEMMs: TFLOP/s of the cuBLASLt paths, and plain cuBLASLt for scale ---- */
 
-typedef enum { G_DENSE, G_GROUPED, G_WGRAD, G_LT_BF16 } gemm_kind;
+typedef enum { G_DENSE, G_GROUPED, G_WGRAD, G_LT_BF16, G_LINWGRAD } gemm_kind;
 
 typedef struct gcase {
     const char *name;
@@ -347,6 +351,13 @@ static const gcase gcases[] = {
     {"grouped_gemm E4M3 1x128 x 128x128 -> BF16, E=64 of 256 rows, N 2048 [native sm90]", G_GROUPED, 64, 16384, 2048, 7168, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_BF16, 0, FM_GEMM_IMPL_NATIVE},
     {"grouped_gemm E4M3 1x128 x 128x128 -> BF16, E=64 of 256 rows, N 2048 [cuBLASLt]", G_GROUPED, 64, 16384, 2048, 7168, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_BF16, 0, FM_GEMM_IMPL_LIBRARY},
     {"grouped_gemm BF16 -> BF16, E=8", G_GROUPED, 8, 32768, 4096, 7168, FM_DTYPE_BF16, FM_SCALE_NONE, FM_SCALE_NONE, FM_DTYPE_BF16, 0, FM_GEMM_IMPL_AUTO},
+    /* The router's F32 GEMMs (memory-bound: one pass over the 117 MB of x): the streaming kernels
+     * next to cuBLASLt. linear_wgrad: dW [M, N] += dYᵀ [M, K] · X [K, N]. */
+    {"gemm F32 -> F32, N 8 (router logits) [streaming]", G_DENSE, 1, 4096, 8, 7168, FM_DTYPE_F32, FM_SCALE_NONE, FM_SCALE_NONE, FM_DTYPE_F32, 0, FM_GEMM_IMPL_AUTO},
+    {"gemm F32 -> F32, N 8 (router logits) [cuBLASLt]", G_DENSE, 1, 4096, 8, 7168, FM_DTYPE_F32, FM_SCALE_NONE, FM_SCALE_NONE, FM_DTYPE_F32, 0, FM_GEMM_IMPL_LIBRARY},
+    {"linear_wgrad F32 -> F32 +=, M 8 (router weight gradient) [streaming]", G_LINWGRAD, 1, 8, 7168, 4096, FM_DTYPE_F32, FM_SCALE_NONE, FM_SCALE_NONE, FM_DTYPE_F32, 1, FM_GEMM_IMPL_AUTO},
+    {"linear_wgrad F32 -> F32 +=, M 8 (router weight gradient) [cuBLASLt]", G_LINWGRAD, 1, 8, 7168, 4096, FM_DTYPE_F32, FM_SCALE_NONE, FM_SCALE_NONE, FM_DTYPE_F32, 1, FM_GEMM_IMPL_LIBRARY},
+    {"grouped_gemm_wgrad E4M3 1x128 x 128x128 -> F32 +=, E=8 (x per 128x128 tile: the flow recipes' call)", G_WGRAD, 8, 32768, 4096, 7168, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_F32, 1, FM_GEMM_IMPL_AUTO},
     {"grouped_gemm_wgrad E4M3 1x128 x 1x128 -> F32 +=, E=8", G_WGRAD, 8, 32768, 4096, 7168, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_1x128, FM_DTYPE_F32, 1, FM_GEMM_IMPL_AUTO},
     {"grouped_gemm_wgrad BF16 -> F32 +=, E=8", G_WGRAD, 8, 32768, 4096, 7168, FM_DTYPE_BF16, FM_SCALE_NONE, FM_SCALE_NONE, FM_DTYPE_F32, 1, FM_GEMM_IMPL_AUTO},
 };
@@ -432,6 +443,8 @@ static void grun_fn(void *p, int rep)
         st = fm_grouped_gemm(g->ctx, &cfg, &g->sp, &g->a, &g->b, &g->d);
     else if (g->c->kind == G_WGRAD)
         st = fm_grouped_gemm_wgrad(g->ctx, &cfg, &g->sp, &g->a, &g->b, &g->d);
+    else if (g->c->kind == G_LINWGRAD)
+        st = fm_linear_wgrad(g->ctx, &cfg, &g->a, &g->b, &g->d);
     else {
         float alpha = 1.0f, beta = 0.0f;
         cublasStatus_t cs = cublasLtMatmul(g->lt, g->desc, &alpha, g->b.data, g->la, g->a.data, g->lb, &beta,
@@ -514,7 +527,11 @@ static int bench_gemms(fm_context *ctx, cudaStream_t s, const char *filter, gres
         g.sp.host = g.splits;
         for (int64_t e = 0; e < c->E; e++)
             g.splits[e] = c->M / c->E;
-        if (c->kind == G_WGRAD) { /* dY [sum M, N], X [sum M, K] (grouped column-wise for FP8) -> dW [E, N, K] */
+        if (c->kind == G_LINWGRAD) { /* dY [K, M], X [K, N] row-wise -> dW [M, N] */
+            g.a = gdesc(c->elem, FM_SCALE_NONE, FM_LAYOUT_ROWWISE, 0, c->K, c->M);
+            g.b = gdesc(c->elem, FM_SCALE_NONE, FM_LAYOUT_ROWWISE, 0, c->K, c->N);
+            g.d = gdesc(c->out, FM_SCALE_NONE, FM_LAYOUT_ROWWISE, 0, c->M, c->N);
+        } else if (c->kind == G_WGRAD) { /* dY [sum M, N], X [sum M, K] (grouped column-wise for FP8) -> dW [E, N, K] */
             fm_layout lay = c->ma ? FM_LAYOUT_COLWISE : FM_LAYOUT_ROWWISE;
             g.a = gdesc(c->elem, c->ma, lay, 0, c->M, c->N);
             g.b = gdesc(c->elem, c->mb, lay, 0, c->M, c->K);
@@ -542,7 +559,7 @@ static int bench_gemms(fm_context *ctx, cudaStream_t s, const char *filter, gres
         CK(cudaGetLastError());
         gresult *r = &out[n++];
         r->name = c->name;
-        if (c->kind == G_DENSE || c->kind == G_LT_BF16)
+        if (c->kind == G_DENSE || c->kind == G_LT_BF16 || c->kind == G_LINWGRAD)
             snprintf(r->shape, sizeof r->shape, "%lldx%lldx%lld", (long long)c->M, (long long)c->N, (long long)c->K);
         else
             snprintf(r->shape, sizeof r->shape, "E%lld sumM %lld N %lld K %lld", (long long)c->E, (long long)c->M,
@@ -885,7 +902,13 @@ static int bench_moe(fm_context *ctx, cudaStream_t s, const char *filter, double
 #define LB_E 8
 #define LB_K 8
 
+/* The layer rows: every recipe, then fp8-flow again with the TIGHT 128 x 1
+ * column copies of x and h (cfg.wgrad_tight_columns) next to the default
+ * ROWMAX 128 x 128 ones. */
+#define LB_ROWS (FM_RECIPE_COUNT + 1)
+
 typedef struct lresult {
+    const char *label; /* the table's first column */
     fm_recipe recipe;
     double ms, speedup; /* ms per forward + backward; bf16's time over this recipe's */
     int64_t workspace;
@@ -932,10 +955,13 @@ static void fill_normal_f32(float *d, int64_t n, float sd)
 
 static int bench_layer(fm_context *ctx, cudaStream_t s, const char *filter, lresult *out)
 {
-    static const char *names[FM_RECIPE_COUNT] = {"moe_layer forward+backward bf16", "moe_layer forward+backward fp8-blockwise",
-                                                 "moe_layer forward+backward fp8-flow", "moe_layer forward+backward fp8-flow-fp4"};
+    static const char *names[LB_ROWS] = {"moe_layer forward+backward bf16", "moe_layer forward+backward fp8-blockwise",
+                                         "moe_layer forward+backward fp8-flow", "moe_layer forward+backward fp8-flow-fp4",
+                                         "moe_layer forward+backward fp8-flow, wgrad tight columns"};
+    static const char *labels[LB_ROWS] = {"bf16", "fp8-blockwise", "fp8-flow", "fp8-flow-fp4",
+                                          "fp8-flow, x and h 128x1 TIGHT for the weight gradients"};
     int any = 0;
-    for (int r = 0; r < FM_RECIPE_COUNT; r++)
+    for (int r = 0; r < LB_ROWS; r++)
         any |= !filter || strstr(names[r], filter) != NULL;
     if (!any)
         return 0;
@@ -961,15 +987,17 @@ static int bench_layer(fm_context *ctx, cudaStream_t s, const char *filter, lres
     fill_device(l.dy.data, FM_DTYPE_F32, (size_t)LB_T * LB_H);
     int n = 0;
     double bf16_ms = 0;
-    for (int r = 0; r < FM_RECIPE_COUNT; r++) {
+    for (int r = 0; r < LB_ROWS; r++) {
         if (filter && !strstr(names[r], filter))
             continue;
+        const fm_recipe rc = r < FM_RECIPE_COUNT ? (fm_recipe)r : FM_RECIPE_FP8_FLOW;
         fm_moe_layer_config cfg = {.hidden = LB_H, .ffn = LB_I, .experts = LB_E, .topk = LB_K,
-                                   .score = FM_ROUTER_SOFTMAX, .renormalize = 1, .recipe = (fm_recipe)r,
-                                   .max_tokens = LB_T};
+                                   .score = FM_ROUTER_SOFTMAX, .renormalize = 1, .recipe = rc,
+                                   .max_tokens = LB_T, .wgrad_tight_columns = r >= FM_RECIPE_COUNT};
         lresult *o = &out[n++];
         memset(o, 0, sizeof *o);
-        o->recipe = (fm_recipe)r;
+        o->recipe = rc;
+        o->label = labels[r];
         l.layer = NULL;
         l.name = names[r];
         l.failed = 0;
@@ -1608,7 +1636,7 @@ int main(int argc, char **argv)
     gresult gres[NGCASES];
     int ngres = bench_gemms(ctx, s, filter, gres);
 
-    lresult lres[FM_RECIPE_COUNT];
+    lresult lres[LB_ROWS];
     int nlres = layer ? bench_layer(ctx, s, filter, lres) : 0;
 
     ner = ep ? bench_ep(filter, er, &ep_ranks, &ep_tokens) : 0;
@@ -1655,9 +1683,9 @@ int main(int argc, char **argv)
                    i + 1 < ngres ? "," : "");
         printf("  ],\n  \"layer_cases\": [\n");
         for (int i = 0; i < nlres; i++)
-            printf("    {\"recipe\": \"%s\", \"T\": %d, \"H\": %d, \"I\": %d, \"E\": %d, \"k\": %d, "
+            printf("    {\"recipe\": \"%s\", \"row\": \"%s\", \"T\": %d, \"H\": %d, \"I\": %d, \"E\": %d, \"k\": %d, "
                    "\"ms_per_step\": %.3f, \"speedup_vs_bf16\": %.3f, \"workspace_bytes\": %lld, \"ok\": %s}%s\n",
-                   fm_recipe_name(lres[i].recipe), LB_T, LB_H, LB_I, LB_E, LB_K, lres[i].ms, lres[i].speedup,
+                   fm_recipe_name(lres[i].recipe), lres[i].label, LB_T, LB_H, LB_I, LB_E, LB_K, lres[i].ms, lres[i].speedup,
                    (long long)lres[i].workspace, lres[i].ok ? "true" : "false", i + 1 < nlres ? "," : "");
         printf("  ]%s\n", ner ? "," : "");
         if (ner)
@@ -1701,7 +1729,7 @@ int main(int argc, char **argv)
                    "workspace GB |\n|---|---:|---:|---:|\n",
                    LB_T, LB_H, LB_I, LB_E, LB_K);
             for (int i = 0; i < nlres; i++)
-                printf("| %s%s | %.2f | %.2fx | %.2f |\n", fm_recipe_name(lres[i].recipe), lres[i].ok ? "" : " (ERROR)",
+                printf("| %s%s | %.2f | %.3fx | %.2f |\n", lres[i].label, lres[i].ok ? "" : " (ERROR)",
                        lres[i].ms, lres[i].speedup, (double)lres[i].workspace / 1e9);
         }
         print_ep(0, er, ner, ep_ranks, ep_tokens);

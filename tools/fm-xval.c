@@ -940,6 +940,26 @@ static void rq_run(xv_env *x, xv_counts *cnt, int transpose)
                          fm_scale_layout_name(c.sl), fm_scale_layout_name(oc.sl), kind_name[kind]);
                 tally(x, cnt, rq_case(x, s, 1, &c, il, &oc, FM_REQUANT_TIGHT, kind, 0, name), name);
             }
+        /* BLOCK_1x128 -> BLOCK_128x128 under ROWMAX: one scale a tile. */
+        if (transpose)
+            for (int v = 0; v < 4 && !x->cuda_broken; v++) {
+                serial++;
+                if ((x->quick || s->large) && serial % 3)
+                    continue;
+                fm_dtype e = v & 1 ? FM_DTYPE_E5M2 : FM_DTYPE_E4M3;
+                xv_qcfg ic = {e, FM_SCALE_BLOCK_1x128, FM_SCALE_RULE_POW2,
+                              serial % 2 ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT};
+                xv_qcfg oc = {e, FM_SCALE_BLOCK_128x128, FM_SCALE_RULE_POW2,
+                              (serial / 2) % 2 ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT};
+                fm_layout il = v < 2 ? FM_LAYOUT_ROWWISE : FM_LAYOUT_COLWISE;
+                int kind = (int)(serial % RQ_KINDS);
+                char sn[64], name[320];
+                shape_name(s, sn, sizeof sn);
+                snprintf(name, sizeof name, "%s %s %s BLOCK_1x128 %s %s -> BLOCK_128x128 %s rule=rowmax kind=%s",
+                         opn, sn, fm_dtype_name(e), fm_layout_name(il), fm_scale_layout_name(ic.sl),
+                         fm_scale_layout_name(oc.sl), rq_kind_name(kind));
+                tally(x, cnt, rq_case(x, s, 1, &ic, il, &oc, FM_REQUANT_ROWMAX, kind, 0, name), name);
+            }
     }
     /* Non-power-of-two F32 scales: refused by both, before anything is written. */
     static const xv_shape bad_shapes[] = {{1, 130, 300, 2, 0}, {3, 200, 136, 3, 0}, {1, 1, 7, 2, 0}};
@@ -1087,6 +1107,30 @@ static void xv_transpose_scaled_grouped(xv_env *x, xv_counts *cnt)
                     n += snprintf(name + n, sizeof name - (size_t)n, " %lld", (long long)sz[g]);
                 tally(x, cnt, rqg_case(x, sz, G, N, &ic, &oc, rule, kind, 0, name), name);
             }
+    /* ROWMAX into one scale per 128 x 128 tile of each group (the flow
+     * recipes' x and h for the weight gradients). */
+    for (int v = 0; v < 12 && !x->cuda_broken; v++) {
+        serial++;
+        if (x->quick && v % 3)
+            continue;
+        fm_dtype e = v & 1 ? FM_DTYPE_E5M2 : FM_DTYPE_E4M3;
+        int64_t sz[12], G = v % 4 == 0 ? 7 : 12;
+        for (int64_t g = 0; g < G; g++)
+            sz[g] = v % 4 == 0 ? s_edge[g] : (rnd(x) % 4 == 0 ? 0 : rndi(x, 1, v % 4 == 3 ? 2000 : 300));
+        int64_t N = Ns[serial % 5];
+        xv_qcfg ic = {e, FM_SCALE_BLOCK_1x128, FM_SCALE_RULE_POW2,
+                      (v / 2) % 2 ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT};
+        xv_qcfg oc = {e, FM_SCALE_BLOCK_128x128, FM_SCALE_RULE_POW2,
+                      (v / 4) % 2 ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT};
+        int kind = (int)(serial % RQ_KINDS);
+        char name[320];
+        int n = snprintf(name, sizeof name, "transpose_scaled_grouped N=%lld %s BLOCK_1x128 %s -> BLOCK_128x128 %s "
+                         "rule=rowmax kind=%s splits", (long long)N, fm_dtype_name(e), fm_scale_layout_name(ic.sl),
+                         fm_scale_layout_name(oc.sl), rq_kind_name(kind));
+        for (int64_t g = 0; g < G && n < (int)sizeof name - 8; g++)
+            n += snprintf(name + n, sizeof name - (size_t)n, " %lld", (long long)sz[g]);
+        tally(x, cnt, rqg_case(x, sz, G, N, &ic, &oc, FM_REQUANT_ROWMAX, kind, 0, name), name);
+    }
     /* Refusals: a non-power-of-two F32 scale, and an odd group for an E2M1 output. */
     static const int64_t s_bad[] = {100, 0, 157}, s_odd[] = {100, 3, 157};
     for (int k = 0; k < 4 && !x->cuda_broken; k++) {
@@ -1284,7 +1328,7 @@ static int gm_case(xv_env *x, int form, int pi, int64_t M, int64_t N, int64_t K,
         tb = gm_desc(gm_pairs[pi].b, gm_pairs[pi].mb, sl, lb, 0, K, N);
         for (int64_t e = 0; fp8 && e < E; e++) {
             nsa += fm_scale_count_2d(FM_SCALE_BLOCK_1x128, sl, M, splits[e]);
-            nsb += fm_scale_count_2d(FM_SCALE_BLOCK_1x128, sl, N, splits[e]);
+            nsb += fm_scale_count_2d(gm_pairs[pi].mb, sl, N, splits[e]);
         }
         td = gm_desc(out, FM_SCALE_NONE, FM_SCALE_LAYOUT_COMPACT, FM_LAYOUT_ROWWISE, E, M, N);
     } else {
@@ -1392,16 +1436,17 @@ static void xv_grouped_gemm(xv_env *x, xv_counts *cnt)
 
 static void xv_grouped_gemm_wgrad(xv_env *x, xv_counts *cnt)
 {
-    static const int pis[] = {4, 5, 6}; /* 1x128 x 1x128, BF16, F32 */
+    static const int pis[] = {3, 4, 5, 6}; /* dy 1x128 x x 128x128, 1x128 x 1x128, BF16, F32 */
     int reps = x->quick ? 1 : 3;
-    for (int k = 0; k < 3; k++)
+    for (int k = 0; k < 4; k++)
         for (int rep = 0; rep < reps; rep++) {
-            int pi = pis[k];
-            int64_t s[8], E = rndi(x, 1, 8), S = gm_splits(x, s, E, pi == 4), N = rndi(x, 1, 300), M = rndi(x, 1, 200);
+            int pi = pis[k], fp8 = gm_pairs[pi].ma != FM_SCALE_NONE;
+            int64_t s[8], E = rndi(x, 1, 8), S = gm_splits(x, s, E, fp8), N = rndi(x, 1, 300), M = rndi(x, 1, 200);
             fm_dtype out = rep % 2 ? FM_DTYPE_BF16 : FM_DTYPE_F32;
             char name[200];
-            snprintf(name, sizeof name, "grouped_gemm_wgrad %s E %lld sum M %lld -> [%lld, %lld] %s",
-                     fm_dtype_name(gm_pairs[pi].a), (long long)E, (long long)S, (long long)M, (long long)N,
+            snprintf(name, sizeof name, "grouped_gemm_wgrad %s(%s) x %s(%s) E %lld sum M %lld -> [%lld, %lld] %s",
+                     fm_dtype_name(gm_pairs[pi].a), fm_scale_mode_name(gm_pairs[pi].ma), fm_dtype_name(gm_pairs[pi].b),
+                     fm_scale_mode_name(gm_pairs[pi].mb), (long long)E, (long long)S, (long long)M, (long long)N,
                      fm_dtype_name(out));
             tally(x, cnt, gm_case(x, GM_KGROUPED, pi, M, N, S, E, s, out, out == FM_DTYPE_F32, name), name);
         }
