@@ -104,6 +104,27 @@ int main(void)
         for (int i = 0; i < 3; i++)
             CHECK_EQ_U(tu_f32_bits(dp[i]), 0u, "fm_moe_swiglu_backward [3, 0]: dprobs[%d]", i);
     }
+    /* Grouped GEMMs over experts of no rows, every operand without a buffer
+     * but dw (fuzz_descriptor_validation found the CPU offsetting a NULL B by
+     * each expert's zero bytes): nothing read, dW of an empty expert is 0. */
+    {
+        int64_t sizes[2] = {0, 0};
+        fm_splits sp = {2, sizes, NULL};
+        fm_tensor a = fm_tensor_2d(NULL, FM_DTYPE_F32, 0, 0), b = fm_tensor_3d(NULL, FM_DTYPE_F32, 2, 0, 0);
+        fm_tensor d = fm_tensor_2d(NULL, FM_DTYPE_F32, 0, 0);
+        fm_status st = fm_grouped_gemm(ctx, NULL, &sp, &a, &b, &d);
+        CHECK(st == FM_OK, "fm_grouped_gemm [0, 0] x [2, 0, 0]: %s \"%s\"", fm_status_name(st), fm_last_error(ctx));
+        float w[2 * 5 * 3];
+        for (int i = 0; i < 30; i++)
+            w[i] = -1.0f;
+        fm_tensor dy = fm_tensor_2d(NULL, FM_DTYPE_F32, 0, 5), x = fm_tensor_2d(NULL, FM_DTYPE_F32, 0, 3);
+        fm_tensor dw = fm_tensor_3d(w, FM_DTYPE_F32, 2, 5, 3);
+        st = fm_grouped_gemm_wgrad(ctx, NULL, &sp, &dy, &x, &dw);
+        CHECK(st == FM_OK, "fm_grouped_gemm_wgrad over empty experts: %s \"%s\"", fm_status_name(st),
+              fm_last_error(ctx));
+        for (int i = 0; i < 30; i++)
+            CHECK_EQ_U(tu_f32_bits(w[i]), 0u, "fm_grouped_gemm_wgrad over empty experts: dw[%d]", i);
+    }
     fm_context_destroy(ctx);
     return tu_end();
 }

@@ -289,6 +289,13 @@ fm_status fm_cpu_gemm(fm_context *ctx, const fm_gemm_config *cfg, const fm_tenso
     return FM_OK;
 }
 
+/* p + bytes, leaving NULL alone: an empty tensor may come without a buffer,
+ * and even a zero offset on a null pointer is undefined in C. */
+static void *byte_at(const void *p, int64_t bytes)
+{
+    return p ? (void *)((const uint8_t *)p + bytes) : NULL;
+}
+
 fm_status fm_cpu_grouped_gemm(fm_context *ctx, const fm_gemm_config *cfg, const fm_splits *splits,
                               const fm_tensor *a, const fm_tensor *b, fm_tensor *d)
 {
@@ -311,12 +318,12 @@ fm_status fm_cpu_grouped_gemm(fm_context *ctx, const fm_gemm_config *cfg, const 
     int64_t row0 = 0;
     for (int64_t e = 0; e < splits->groups; e++) {
         int64_t m = splits->host[e];
-        b2.data = (uint8_t *)b->data + e * N * K * esize;
-        b2.scale = b->scale_mode ? (float *)b->scale + e * bscales : NULL;
+        b2.data = byte_at(b->data, e * N * K * esize);
+        b2.scale = b->scale_mode ? byte_at(b->scale, e * bscales * 4) : NULL;
         j.b = operand_of(&b2, &tabs);
         j.a.r0 = row0;
         j.M = m;
-        j.d = (uint8_t *)d->data + row0 * N * (fm_dtype_bits(d->dtype) / 8);
+        j.d = byte_at(d->data, row0 * N * (fm_dtype_bits(d->dtype) / 8));
         run(ctx, &j);
         row0 += m;
     }
@@ -331,11 +338,11 @@ static gop slice_t(const fm_tensor *t, int64_t row0, int64_t m, int64_t scale_of
 {
     int64_t C = t->shape[1], esize = fm_dtype_bits(t->dtype) / 8;
     gop o = {0};
-    o.data = (const uint8_t *)t->data + row0 * C * esize;
+    o.data = byte_at(t->data, row0 * C * esize);
     o.dtype = t->dtype;
     o.rs = t->layout == FM_LAYOUT_COLWISE ? m : 1;
     o.cs = t->layout == FM_LAYOUT_COLWISE ? 1 : C;
-    o.scale = t->scale_mode ? (const float *)t->scale + scale_off : NULL;
+    o.scale = t->scale_mode ? byte_at(t->scale, scale_off * 4) : NULL;
     o.mode = t->scale_mode;
     o.sl = t->scale_layout;
     o.sR = C;
@@ -363,7 +370,7 @@ fm_status fm_cpu_grouped_gemm_wgrad(fm_context *ctx, const fm_gemm_config *cfg, 
         j.a = slice_t(dy, row0, m, soff_dy, &tabs);
         j.b = slice_t(x, row0, m, soff_x, &tabs);
         j.K = m;
-        j.d = (uint8_t *)dw->data + e * N * K * desize;
+        j.d = byte_at(dw->data, e * N * K * desize);
         run(ctx, &j);
         row0 += m;
         if (dy->scale_mode)
