@@ -2,13 +2,14 @@
  * with N = E, and dWr = dlogitsᵀ · x with M = E). cuBLASLt's F32 kernels run
  * these memory-bound products at 35-55% of copy bandwidth (72 and 104 us a
  * layer step on H100 at T 4096, H 7168, E 8); here each reads its large
- * operand once, in full coalesced rows, and stays F32 end to end.
+ * operand once, in full coalesced rows, and stays F32 end to end: 54 and 46
+ * us, 73% and 85% of copy bandwidth (fm-bench, S11-14).
  *
  *   small N: D [M, N] = A [M, K] · B [N, K]ᵀ, A and B with K contiguous. A CTA
- *     takes 16 rows of A (2 a warp) and walks K in chunks of 512, B's chunk
- *     staged in shared memory (every CTA reads all of B, from L2); a lane
- *     sums every 32nd element (a float4 of every 128th with 16-byte rows) and
- *     the warp adds its lanes by shuffles in a fixed order.
+ *     takes 32 rows of A (4 a warp) and walks K in chunks of 16 KB of B,
+ *     staged in shared memory one chunk ahead (every CTA reads all of B, from
+ *     L2); a lane sums every 32nd element (a float4 of every 128th with
+ *     16-byte rows) and the warp adds its lanes by shuffles in a fixed order.
  *   small M: D [M, N] = A [M, K] · B [N, K]ᵀ, B with N contiguous (stored
  *     [K, N], the transposed view of a row-major [K, N] input). A CTA takes
  *     32 columns; its 16 warps split K into 16 runs, a lane owns a column,
@@ -24,6 +25,16 @@
 #define SK_THREADS 256
 #define SK_ROWS_PER_WARP 4
 #define SK_MAX 16
+
+template <int R, int C>
+__device__ static __forceinline__ void sk_zero(float (&x)[R][C])
+{
+#pragma unroll
+    for (int r = 0; r < R; r++)
+#pragma unroll
+        for (int c = 0; c < C; c++)
+            x[r][c] = 0.0f;
+}
 
 /* small N: NB (8 or 16) columns of D held per row, B staged in chunks of CH
  * elements (16 KB), two chunks in flight by cp.async so that no warp waits
@@ -66,11 +77,7 @@ __global__ void __launch_bounds__(SK_THREADS, NB == 8 ? 2 : 1) sk_small_n_kernel
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int64_t r0 = ((int64_t)blockIdx.x * (SK_THREADS / 32) + warp) * SK_ROWS_PER_WARP;
     float acc[SK_ROWS_PER_WARP][NB];
-#pragma unroll
-    for (int r = 0; r < SK_ROWS_PER_WARP; r++)
-#pragma unroll
-        for (int n = 0; n < NB; n++)
-            acc[r][n] = 0.0f;
+    sk_zero(acc);
     const int64_t nch = (K + CH - 1) / CH;
     sk_stage<NB, VEC>(bs[0], b, N, K, 0);
     for (int64_t c = 0; c < nch; c++) {
@@ -167,11 +174,7 @@ __global__ void __launch_bounds__(SK_MTHREADS) sk_small_m_kernel(const float *__
     const int64_t per = (K + W - 1) / W;
     const int64_t kb = warp * per < K ? warp * per : K, ke = kb + per < K ? kb + per : K;
     float acc[CPL][MB];
-#pragma unroll
-    for (int c = 0; c < CPL; c++)
-#pragma unroll
-        for (int m = 0; m < MB; m++)
-            acc[c][m] = 0.0f;
+    sk_zero(acc);
     const bool pair = CPL == 2 && n0 + 1 < N;
     for (int64_t k = kb; k < ke; k += SK_BATCH) {
         const int kc = ke - k < SK_BATCH ? (int)(ke - k) : SK_BATCH;
