@@ -129,9 +129,9 @@ static int64_t row_scale_bytes(fm_scale_mode m, int64_t rows, int64_t cols)
     return 0;
 }
 
-/* Grouped column-wise FP8 holds either scale mode its users pick (gcol8,
- * wcol8) in the GEMM layout: 1x128 (round_up(cols, 4) per 128 rows of a
- * group) or 128x128 (4-padded block columns per group). */
+/* Grouped column-wise FP8 holds either scale mode gcol8 is given, in the GEMM
+ * layout: 1x128 (round_up(cols, 4) per 128 rows of a group) or 128x128
+ * (4-padded block columns per group). */
 static int64_t gcol_scale_bytes(fm_scale_mode m, int64_t rows, int64_t cols, int64_t groups)
 {
     if (m == FM_SCALE_MX32)
@@ -339,29 +339,14 @@ static fm_tensor act4(fm_moe_layer *L, const qbuf *q, int64_t rows, int64_t cols
 }
 
 /* Grouped column-wise FP8 [rows, cols] over the experts, for the weight
- * gradients: GEMM-layout scales, which they read without a repack. */
-static fm_tensor gcol8(fm_moe_layer *L, const qbuf *q, int64_t rows, int64_t cols)
+ * gradients (scale mode m: 1x128, or 128x128 for the flow recipes' ROWMAX
+ * copies of x and h): GEMM-layout scales, which they read without a repack;
+ * gcol_scale_bytes sizes the buffers for either mode. */
+static fm_tensor gcol8(fm_moe_layer *L, const qbuf *q, fm_scale_mode m, int64_t rows, int64_t cols)
 {
-    fm_tensor t = quant(L, q, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_LAYOUT_COLWISE, rows, cols);
-    t.scale_layout = FM_SCALE_LAYOUT_GEMM;
-    return t;
-}
-
-/* The flow recipes' column-wise x and h for the weight gradients
- * (cfg->wgrad_tight_columns), and the transpose rule that makes them
- * (gcol_scale_bytes sizes their buffers for either mode). */
-static fm_tensor wcol8(fm_moe_layer *L, const qbuf *q, int64_t rows, int64_t cols)
-{
-    fm_scale_mode m = L->cfg.wgrad_tight_columns ? FM_SCALE_BLOCK_1x128 : FM_SCALE_BLOCK_128x128;
     fm_tensor t = quant(L, q, FM_DTYPE_E4M3, m, FM_LAYOUT_COLWISE, rows, cols);
     t.scale_layout = FM_SCALE_LAYOUT_GEMM;
     return t;
-}
-
-static fm_requant_config wcol_rule(const fm_moe_layer *L)
-{
-    return (fm_requant_config){.rule = L->cfg.wgrad_tight_columns ? FM_REQUANT_TIGHT : FM_REQUANT_ROWMAX,
-                               .trusted_pow2_scales = 1};
 }
 
 static fm_tensor bf(fm_moe_layer *L, const qbuf *q, int64_t rows, int64_t cols)
@@ -744,7 +729,8 @@ static fm_status forward(fm_moe_layer *L, const fm_moe_weights *w, const fm_tens
         a_in = bf(L, &L->xp, R, H);
         saved += tensor_total(&a_in);
     } else if (rc == FM_RECIPE_FP8_BLOCKWISE) {
-        fm_tensor xpb = bf(L, &L->xp, R, H), xrow = act8(L, &L->xp8, R, H), xcol = gcol8(L, &L->xcol, R, H);
+        fm_tensor xpb = bf(L, &L->xp, R, H), xrow = act8(L, &L->xp8, R, H);
+        fm_tensor xcol = gcol8(L, &L->xcol, FM_SCALE_BLOCK_1x128, R, H);
         if ((st = fm_quantize_grouped(ctx, &qc, &sp, &xpb, &xrow, &xcol)))
             return st;
         a_in = xrow;
@@ -777,7 +763,7 @@ static fm_status forward(fm_moe_layer *L, const fm_moe_weights *w, const fm_tens
             h_in = h;
             saved += tensor_total(&h);
         } else {
-            fm_tensor hrow = act8(L, &L->hq, R, I), hcol = gcol8(L, &L->hcol, R, I);
+            fm_tensor hrow = act8(L, &L->hq, R, I), hcol = gcol8(L, &L->hcol, FM_SCALE_BLOCK_1x128, R, I);
             if ((st = fm_quantize_grouped(ctx, &qc, &sp, &h, &hrow, &hcol)))
                 return st;
             h_in = hrow;
@@ -862,6 +848,13 @@ static fm_status backward(fm_moe_layer *L, const fm_moe_weights *w, const fm_ten
     fm_quant_config qc = {.rule = FM_SCALE_RULE_POW2};
     fm_gemm_config g0 = {0}, acc = {.accumulate = 1};
     fm_requant_config rq = {.trusted_pow2_scales = 1}; /* the layer's own POW2 scales */
+    /* x and h as the weight gradients read them: the flow recipes' ROWMAX copies
+     * with one scale per 128 x 128 tile unless cfg->wgrad_tight_columns asks for
+     * TIGHT 128 x 1 blocks; fp8-blockwise quantizes its 1x128 copies directly. */
+    const int tile_wgrad = is_flow(rc) && !c->wgrad_tight_columns;
+    fm_requant_config rqw = rq;
+    rqw.rule = tile_wgrad ? FM_REQUANT_ROWMAX : FM_REQUANT_TIGHT;
+    const fm_scale_mode wmode = tile_wgrad ? FM_SCALE_BLOCK_128x128 : FM_SCALE_BLOCK_1x128;
     fm_splits sp = {E, L->host_splits, (const int64_t *)L->splits.p};
     fm_tensor slot_rows = plain(L, &L->slot_rows, FM_DTYPE_I32, Rr, k);
     fm_tensor row_map = plain(L, &L->row_map, FM_DTYPE_I32, Rm, 1);
@@ -904,11 +897,11 @@ static fm_status backward(fm_moe_layer *L, const fm_moe_weights *w, const fm_ten
     fm_tensor dy_row = dyp, dy_col = {0};
     if (rc == FM_RECIPE_FP8_BLOCKWISE) {
         dy_row = act8(L, &L->dyq, R, H);
-        dy_col = gcol8(L, &L->dycol, R, H);
+        dy_col = gcol8(L, &L->dycol, FM_SCALE_BLOCK_1x128, R, H);
         if ((st = fm_quantize_grouped(ctx, &qc, &sp, &dyp, &dy_row, &dy_col)))
             return st;
     } else if (is_flow(rc)) {
-        dy_col = gcol8(L, &L->dycol, R, H);
+        dy_col = gcol8(L, &L->dycol, FM_SCALE_BLOCK_1x128, R, H);
         if ((st = fm_transpose_scaled_grouped(ctx, &rq, &sp, &dy_row, &dy_col)))
             return st;
     }
@@ -924,8 +917,7 @@ static fm_status backward(fm_moe_layer *L, const fm_moe_weights *w, const fm_ten
             return st;
         a_saved = bf(L, &L->a, R, 2 * I);
     } else {
-        fm_tensor hcol = rc == FM_RECIPE_FP8_BLOCKWISE ? gcol8(L, &L->hcol, R, I) : wcol8(L, &L->hcol, R, I);
-        fm_requant_config rqw = wcol_rule(L);
+        fm_tensor hcol = gcol8(L, &L->hcol, wmode, R, I);
         if (rc == FM_RECIPE_FP8_BLOCKWISE) {
             a_saved = bf(L, &L->a, R, 2 * I);
         } else {
@@ -950,13 +942,13 @@ static fm_status backward(fm_moe_layer *L, const fm_moe_weights *w, const fm_ten
         da_row = da;
         if (rc == FM_RECIPE_FP8_BLOCKWISE) {
             da_row = act8(L, &L->daq, R, 2 * I);
-            da_col = gcol8(L, &L->dacol, R, 2 * I);
+            da_col = gcol8(L, &L->dacol, FM_SCALE_BLOCK_1x128, R, 2 * I);
             if ((st = fm_quantize_grouped(ctx, &qc, &sp, &da, &da_row, &da_col)))
                 return st;
         }
     } else {
         da_row = act8(L, &L->daq, R, 2 * I);
-        da_col = gcol8(L, &L->dacol, R, 2 * I);
+        da_col = gcol8(L, &L->dacol, FM_SCALE_BLOCK_1x128, R, 2 * I);
         if ((st = fm_moe_swiglu_backward(ctx, &qc, &dh, &a_saved, &rprobs, &da_row, NULL, &dprobs_rows)) ||
             (st = fm_transpose_scaled_grouped(ctx, &rq, &sp, &da_row, &da_col)))
             return st;
@@ -970,8 +962,7 @@ static fm_status backward(fm_moe_layer *L, const fm_moe_weights *w, const fm_ten
         if ((st = wgrad_bf16(L, &L->da, 2 * I, &L->xp, H, w->grad_w1)))
             return st;
     } else {
-        fm_tensor xcol = rc == FM_RECIPE_FP8_BLOCKWISE ? gcol8(L, &L->xcol, R, H) : wcol8(L, &L->xcol, R, H);
-        fm_requant_config rqw = wcol_rule(L);
+        fm_tensor xcol = gcol8(L, &L->xcol, wmode, R, H);
         if (rc == FM_RECIPE_FP8_FLOW) {
             fm_tensor xp = act8(L, &L->xp, R, H);
             if ((st = fm_transpose_scaled_grouped(ctx, &rqw, &sp, &xp, &xcol)))

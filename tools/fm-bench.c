@@ -958,8 +958,6 @@ static int bench_layer(fm_context *ctx, cudaStream_t s, const char *filter, lres
     static const char *names[LB_ROWS] = {"moe_layer forward+backward bf16", "moe_layer forward+backward fp8-blockwise",
                                          "moe_layer forward+backward fp8-flow", "moe_layer forward+backward fp8-flow-fp4",
                                          "moe_layer forward+backward fp8-flow, wgrad tight columns"};
-    static const char *labels[LB_ROWS] = {"bf16", "fp8-blockwise", "fp8-flow", "fp8-flow-fp4",
-                                          "fp8-flow, x and h 128x1 TIGHT for the weight gradients"};
     int any = 0;
     for (int r = 0; r < LB_ROWS; r++)
         any |= !filter || strstr(names[r], filter) != NULL;
@@ -997,7 +995,7 @@ static int bench_layer(fm_context *ctx, cudaStream_t s, const char *filter, lres
         lresult *o = &out[n++];
         memset(o, 0, sizeof *o);
         o->recipe = rc;
-        o->label = labels[r];
+        o->label = r < FM_RECIPE_COUNT ? fm_recipe_name(rc) : "fp8-flow, x and h 128x1 TIGHT for the weight gradients";
         l.layer = NULL;
         l.name = names[r];
         l.failed = 0;
