@@ -109,24 +109,52 @@ FM_DI const uint8_t *sw_in_srow(const swparams &p, int64_t m)
     return IN == FM_DTYPE_BF16 ? NULL : (const uint8_t *)p.in_scale + m * sw_scale_bytes<IN>(2 * p.I);
 }
 
-/* Gate and up values of one row, columns [col, col + 8), exact F32 (the
- * scale dtype follows the mode: F32 for 1x128, E8M0 for MX32). Offsets
- * within a row are 32-bit (fused_setup checks 2I < 2^31). */
+/* Gate and up codes of one row, columns [col, col + 8), as loaded (BF16:
+ * two 16-byte words; E4M3: 8 bytes each, and their blocks' F32 scales;
+ * E2M1: 4 bytes each and E8M0 scales), so that a warp can have several
+ * units' loads in flight before it decodes the first. Offsets within a row
+ * are 32-bit (fused_setup checks 2I < 2^31). */
+typedef struct sw_raw {
+    uint4 g, u;
+    float sg, su;
+} sw_raw;
+
 template <int IN>
-FM_DI void sw_load_gu(const uint8_t *row, const uint8_t *srow, int I, int col, float *g, float *u)
+FM_DI void sw_fetch_gu(const uint8_t *row, const uint8_t *srow, int I, int col, sw_raw *r)
 {
     if (IN == FM_DTYPE_BF16) {
-        const uint16_t *r = (const uint16_t *)row;
-        sw_bf16x8(__ldcs((const uint4 *)(r + col)), g);
-        sw_bf16x8(__ldcs((const uint4 *)(r + I + col)), u);
+        const uint16_t *q = (const uint16_t *)row;
+        r->g = __ldcs((const uint4 *)(q + col));
+        r->u = __ldcs((const uint4 *)(q + I + col));
     } else if (IN == FM_DTYPE_E4M3) {
         const float *sc = (const float *)srow;
-        sw_e4m3x8(__ldcs((const uint2 *)(row + col)), sc[(unsigned)col >> 7], g);
-        sw_e4m3x8(__ldcs((const uint2 *)(row + I + col)), sc[(unsigned)(I + col) >> 7], u);
+        const uint2 g = __ldcs((const uint2 *)(row + col)), u = __ldcs((const uint2 *)(row + I + col));
+        r->g = make_uint4(g.x, g.y, 0u, 0u);
+        r->u = make_uint4(u.x, u.y, 0u, 0u);
+        r->sg = sc[(unsigned)col >> 7];
+        r->su = sc[(unsigned)(I + col) >> 7];
     } else { /* 2I nibbles */
-        sw_e2m1x8(__ldcs((const unsigned int *)(row + ((unsigned)col >> 1))), fm_e8m0_to_f32(srow[(unsigned)col >> 5]), g);
-        sw_e2m1x8(__ldcs((const unsigned int *)(row + ((unsigned)(I + col) >> 1))),
-                  fm_e8m0_to_f32(srow[(unsigned)(I + col) >> 5]), u);
+        r->g.x = __ldcs((const unsigned int *)(row + ((unsigned)col >> 1)));
+        r->u.x = __ldcs((const unsigned int *)(row + ((unsigned)(I + col) >> 1)));
+        r->sg = fm_e8m0_to_f32(srow[(unsigned)col >> 5]);
+        r->su = fm_e8m0_to_f32(srow[(unsigned)(I + col) >> 5]);
+    }
+}
+
+/* The fetched codes as exact F32 values (the scale dtype follows the mode:
+ * F32 for 1x128, E8M0 for MX32). */
+template <int IN>
+FM_DI void sw_decode_gu(const sw_raw &r, float *g, float *u)
+{
+    if (IN == FM_DTYPE_BF16) {
+        sw_bf16x8(r.g, g);
+        sw_bf16x8(r.u, u);
+    } else if (IN == FM_DTYPE_E4M3) {
+        sw_e4m3x8(make_uint2(r.g.x, r.g.y), r.sg, g);
+        sw_e4m3x8(make_uint2(r.u.x, r.u.y), r.su, u);
+    } else {
+        sw_e2m1x8(r.g.x, r.sg, g);
+        sw_e2m1x8(r.u.x, r.su, u);
     }
 }
 
@@ -197,6 +225,11 @@ FM_DI uint8_t *sw_out_srow(void *scale, int64_t m, int64_t C)
     return (uint8_t *)scale + m * sw_scale_bytes<ELEM>(C);
 }
 
+/* Units a warp takes at a time in the forward: their loads are all issued
+ * before the first is decoded (one unit's 8-byte FP8 loads kept too few
+ * bytes in flight: the recompute from E4M3 ran at 58% of copy bandwidth). */
+#define SW_FWD_UNITS(IN) ((IN) == FM_DTYPE_BF16 ? 2 : 4)
+
 /* h = (silu(g) · u) · p into OUT 1x128; SV: in_saved's element dtype
  * (E4M3 1x128, E2M1 MX32) or 0. FULL: I is a multiple of SW_CHUNK, so no
  * lane is ever past the row's end. */
@@ -205,33 +238,50 @@ __global__ void __launch_bounds__(SW_THREADS) swiglu_fwd_fused_kernel(const swpa
 {
     const int lane = threadIdx.x & 31;
     const int I = (int)p.I;
-    for (uint32_t unit = blockIdx.x * SW_WARPS + (threadIdx.x >> 5); unit < p.units; unit += gridDim.x * SW_WARPS) {
-        const uint32_t m32 = fm_fastdiv_div(p.chdiv, unit);
-        const int64_t m = m32;
-        const int col = (int)(unit - m32 * p.nch) * SW_CHUNK + lane * 8;
-        const bool valid = FULL || col < I;
-        float g[8], u[8], h[8];
-        if (!FULL) {
+    constexpr int U = SW_FWD_UNITS(IN);
+    const uint32_t step = gridDim.x * SW_WARPS * U;
+    for (uint32_t u0 = (blockIdx.x * SW_WARPS + (threadIdx.x >> 5)) * U; u0 < p.units; u0 += step) {
+        sw_raw raw[U];
+        int64_t mm[U];
+        int cc[U];
 #pragma unroll
-            for (int k = 0; k < 8; k++)
-                g[k] = u[k] = 0.0f;
+        for (int j = 0; j < U; j++) {
+            const uint32_t unit = u0 + j, m32 = fm_fastdiv_div(p.chdiv, unit);
+            mm[j] = m32;
+            cc[j] = (int)(unit - m32 * p.nch) * SW_CHUNK + lane * 8;
+            raw[j] = sw_raw{};
+            if (unit < p.units && (FULL || cc[j] < I))
+                sw_fetch_gu<IN>(sw_in_row<IN>(p, mm[j]), sw_in_srow<IN>(p, mm[j]), I, cc[j], &raw[j]);
         }
-        if (valid)
-            sw_load_gu<IN>(sw_in_row<IN>(p, m), sw_in_srow<IN>(p, m), I, col, g, u);
-        const float pm = p.probs ? p.probs[m] : 0.0f;
-        float sg[8], sgn[8];
-        fm_sigmoid_pm8(g, sg, sgn);
 #pragma unroll
-        for (int k = 0; k < 8; k++) {
-            const float v = (g[k] * sg[k]) * u[k]; /* fm_silu_rawf(g) * u */
-            h[k] = p.probs ? v * pm : v;
-        }
-        sw_put<OUT>(h, valid, p.eps, sw_out_row<OUT>(p.out, m, I), sw_out_srow<OUT>(p.out_scale, m, I),
-                    col);
-        if (SV) {
-            uint8_t *sr = sw_out_row<SV>(p.sv, m, 2 * (int64_t)I), *ss = sw_out_srow<SV>(p.sv_scale, m, 2 * (int64_t)I);
-            sw_put<SV>(g, valid, p.eps, sr, ss, col);
-            sw_put<SV>(u, valid, p.eps, sr, ss, I + col);
+        for (int j = 0; j < U; j++) {
+            if (u0 + j >= p.units) /* warp-uniform: the block shuffles below see every lane */
+                break;
+            const int64_t m = mm[j];
+            const int col = cc[j];
+            const bool valid = FULL || col < I;
+            float g[8], u[8], h[8];
+            if (valid)
+                sw_decode_gu<IN>(raw[j], g, u);
+            else
+#pragma unroll
+                for (int k = 0; k < 8; k++)
+                    g[k] = u[k] = 0.0f;
+            const float pm = p.probs ? p.probs[m] : 0.0f;
+            float sg[8], sgn[8];
+            fm_sigmoid_pm8(g, sg, sgn);
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const float v = (g[k] * sg[k]) * u[k]; /* fm_silu_rawf(g) * u */
+                h[k] = p.probs ? v * pm : v;
+            }
+            sw_put<OUT>(h, valid, p.eps, sw_out_row<OUT>(p.out, m, I), sw_out_srow<OUT>(p.out_scale, m, I), col);
+            if (SV) {
+                uint8_t *sr = sw_out_row<SV>(p.sv, m, 2 * (int64_t)I),
+                        *ss = sw_out_srow<SV>(p.sv_scale, m, 2 * (int64_t)I);
+                sw_put<SV>(g, valid, p.eps, sr, ss, col);
+                sw_put<SV>(u, valid, p.eps, sr, ss, I + col);
+            }
         }
     }
 }
@@ -269,19 +319,34 @@ __global__ void __launch_bounds__(SW_THREADS) swiglu_bwd_fused_kernel(const swpa
         uint8_t *out_row = sw_out_row<OUT>(p.out, m, 2 * (int64_t)I) + sw_code_bytes<OUT>(c0);
         uint8_t *out_srow = sw_out_srow<OUT>(p.out_scale, m, 2 * (int64_t)I) + sw_scale_bytes<OUT>(c0);
         float acc = 0.0f;
+        /* Chunk ch + 1's loads are issued before chunk ch is decoded (a
+         * warp walks a whole row when it writes dprobs). */
+        const int col = lc; /* within the chunk */
+        sw_raw rn = {};
+        uint4 dn = make_uint4(0u, 0u, 0u, 0u);
+        if (FULL || (int)ch0 * SW_CHUNK + lc < I) {
+            sw_fetch_gu<IN>(in_row, in_srow, I, col, &rn);
+            dn = __ldcs((const uint4 *)(dh_row + col));
+        }
         for (uint32_t ch = ch0; ch < ch1; ch++) {
-            const int col = lc; /* within the chunk */
             const bool valid = FULL || (int)ch * SW_CHUNK + lc < I;
+            const sw_raw rc = rn;
+            const uint4 dc = dn;
+            in_row += sw_code_bytes<IN>(SW_CHUNK);
+            in_srow += sw_scale_bytes<IN>(SW_CHUNK);
+            dh_row += SW_CHUNK;
+            if (ch + 1 < ch1 && (FULL || (int)(ch + 1) * SW_CHUNK + lc < I)) {
+                sw_fetch_gu<IN>(in_row, in_srow, I, col, &rn);
+                dn = __ldcs((const uint4 *)(dh_row + col));
+            }
             float g[8], u[8], d[8], dg[8], du[8];
-            if (!FULL) {
+            if (valid) {
+                sw_decode_gu<IN>(rc, g, u);
+                sw_bf16x8(dc, d);
+            } else
 #pragma unroll
                 for (int k = 0; k < 8; k++)
                     g[k] = u[k] = d[k] = 0.0f;
-            }
-            if (valid) {
-                sw_load_gu<IN>(in_row, in_srow, I, col, g, u);
-                sw_bf16x8(__ldcs((const uint4 *)(dh_row + col)), d);
-            }
             float sg[8], sgn[8];
             fm_sigmoid_pm8(g, sg, sgn);
 #pragma unroll
@@ -299,9 +364,6 @@ __global__ void __launch_bounds__(SW_THREADS) swiglu_bwd_fused_kernel(const swpa
 #pragma unroll
                 for (int k = 0; k < 8; k++)
                     acc = fmaf(d[k], u[k], acc);
-            in_row += sw_code_bytes<IN>(SW_CHUNK);
-            in_srow += sw_scale_bytes<IN>(SW_CHUNK);
-            dh_row += SW_CHUNK;
             out_row += sw_code_bytes<OUT>(SW_CHUNK);
             out_srow += sw_scale_bytes<OUT>(SW_CHUNK);
         }
@@ -481,7 +543,7 @@ static unsigned fused_grid(uint32_t units)
 
 static cudaError_t launch_fwd(const swparams &p, int in, int out, int sv, cudaStream_t s)
 {
-    const unsigned g = fused_grid(p.units);
+    const unsigned g = fused_grid((p.units + SW_FWD_UNITS(in) - 1) / SW_FWD_UNITS(in));
     const bool full = p.I % SW_CHUNK == 0;
 #define FM_SW_FWD(IN_, OUT_, SV_)                                                   \
     if (in == IN_ && out == OUT_ && sv == SV_ && full)                              \
