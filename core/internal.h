@@ -57,6 +57,9 @@ typedef struct fm_backend {
     fm_status (*moe_swiglu_backward)(fm_context *ctx, const fm_quant_config *cfg, const fm_tensor *dh,
                                      const fm_tensor *in, const fm_tensor *probs, fm_tensor *din_row,
                                      fm_tensor *din_col, fm_tensor *dprobs);
+    /* The two queues below; NULL where ops run in call order (CPU). */
+    fm_status (*queue_prepare)(fm_context *ctx);
+    fm_status (*queue_select)(fm_context *ctx, int q, int wait);
 } fm_backend;
 
 struct fm_context {
@@ -68,6 +71,23 @@ struct fm_context {
     fm_stats stats;
     char err[768];
 };
+
+/* Two in-order queues of work on one context, so that a caller (the layer)
+ * can run memory-bound ops beside GEMMs: queue 0 is the context's stream,
+ * queue 1 the backend's second one, with its own scratch. After
+ * fm_queue_select(ctx, q, wait) ops go to queue q; with wait, q first waits
+ * for everything enqueued so far on the other queue. Whoever selects queue 1
+ * selects 0 again, with wait, before returning to its caller.
+ * fm_queue_prepare allocates what queue 1 needs (do it outside a step). On a
+ * backend without queues both are no-ops: ops run in call order there. */
+static inline fm_status fm_queue_prepare(fm_context *ctx)
+{
+    return ctx->be->queue_prepare ? ctx->be->queue_prepare(ctx) : FM_OK;
+}
+static inline fm_status fm_queue_select(fm_context *ctx, int q, int wait)
+{
+    return ctx->be->queue_select ? ctx->be->queue_select(ctx, q, wait) : FM_OK;
+}
 
 /* Record a sentence for fm_last_error and return `st`. */
 fm_status fm_error(fm_context *ctx, fm_status st, const char *fmt, ...)

@@ -28,6 +28,7 @@ struct fm_moe_layer {
     int64_t *host_splits;      /* [E] padded rows per expert of the last forward (host) */
     int64_t T, R;              /* tokens and used rows of the last forward */
     int have_forward, have_weights;
+    int queues;                /* backward uses the context's second queue (fm_queue_select) */
     fm_moe_layer_info info;
     /* expert parallelism: nranks 1 and El = experts without a comm */
     int nranks;
@@ -379,6 +380,8 @@ static fm_status check_config(fm_context *ctx, const fm_moe_layer_config *c)
     if (c->wgrad_tight_columns != 0 && c->wgrad_tight_columns != 1)
         return fm_error(ctx, FM_ERR_INVALID_ARG, "cfg->wgrad_tight_columns: %d is neither 0 nor 1",
                         c->wgrad_tight_columns);
+    if (c->single_stream != 0 && c->single_stream != 1)
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "cfg->single_stream: %d is neither 0 nor 1", c->single_stream);
     if ((unsigned)c->score >= FM_ROUTER_SCORE_COUNT)
         return fm_error(ctx, FM_ERR_INVALID_ARG, "cfg->score: %d is not an fm_router_score", (int)c->score);
     if (c->recipe == FM_RECIPE_FP8_FLOW_FP4 && (c->hidden % 32 || c->ffn % 16))
@@ -480,6 +483,11 @@ fm_status fm_moe_layer_create(fm_context *ctx, const fm_moe_layer_config *cfg, f
     st = fm_context_copy(ctx, L->ones.p, fm_context_device(ctx), ones, FM_DEVICE_HOST, (size_t)L->cap * sizeof(float));
     free(ones);
     if (st) {
+        fm_moe_layer_destroy(L);
+        return st;
+    }
+    L->queues = !cfg->comm && !cfg->single_stream;
+    if (L->queues && (st = fm_queue_prepare(ctx))) {
         fm_moe_layer_destroy(L);
         return st;
     }
@@ -830,6 +838,55 @@ static fm_status wgrad_bf16(fm_moe_layer *L, const qbuf *dy, int64_t N, const qb
     return FM_OK;
 }
 
+/* The layer's use of the context's second queue (none without it). */
+static fm_status use_queue(fm_moe_layer *L, int q, int wait)
+{
+    return L->queues ? fm_queue_select(L->ctx, q, wait) : FM_OK;
+}
+
+/* Back to tokens: dx = Σ_j dxp[row(t, j)], d(probs), then the router's
+ * share of dx and its weight gradient. */
+static fm_status to_tokens(fm_moe_layer *L, const fm_moe_weights *w, const fm_tensor *x, fm_tensor *dxp, fm_tensor *dx)
+{
+    fm_context *ctx = L->ctx;
+    const fm_moe_layer_config *c = &L->cfg;
+    int64_t T = L->T, Rr = L->Rr, Rm = max_rows(L), Eg = c->experts, H = c->hidden, k = c->topk;
+    fm_tensor slot_rows = plain(L, &L->slot_rows, FM_DTYPE_I32, Rr, k);
+    fm_tensor row_map = plain(L, &L->row_map, FM_DTYPE_I32, Rm, 1);
+    fm_tensor ids = plain(L, &L->ids, FM_DTYPE_I32, T, k), probs = plain(L, &L->probs, FM_DTYPE_F32, T, k);
+    fm_gemm_config acc = {.accumulate = 1};
+    fm_status st;
+    dxp->shape[0] = Rm;
+    if ((st = ep_combine(L, dxp, &slot_rows, &ids, dx)))
+        return st;
+    /* d(probs)[t, j] = dprobs_rows[row(t, j)]: unpermute_backward with a
+     * one-column dout of ones is exactly that gather (a one-term dot). Over
+     * expert parallelism it gathers the received rows' slots, and the
+     * combine brings each choice's value home from the one rank it lives on. */
+    fm_tensor ones = plain(L, &L->ones, FM_DTYPE_F32, Rr, 1), dpr = plain(L, &L->dprobs_rows, FM_DTYPE_F32, Rm, 1);
+    fm_tensor scratch = plain(L, &L->scratch1, FM_DTYPE_F32, Rm, 1), dprobs = plain(L, &L->dprobs, FM_DTYPE_F32, T, k);
+    fm_tensor pprobs = probs, dpk = dprobs;
+    if (c->comm) {
+        pprobs = plain(L, &L->rprobk, FM_DTYPE_F32, Rr, k);
+        dpk = plain(L, &L->dprobk, FM_DTYPE_F32, Rr, k);
+    }
+    if ((st = fm_moe_unpermute_backward(ctx, &ones, &dpr, &row_map, &slot_rows, &pprobs, &scratch, &dpk)))
+        return st;
+    fm_ep_config ep = {.experts_per_rank = (int)L->El};
+    if (c->comm && (st = fm_ep_combine(ctx, c->comm, &ep, &ids, &dpk, &dprobs)))
+        return st;
+    fm_router_config rcfg = {.topk = c->topk, .score = c->score, .renormalize = c->renormalize};
+    fm_tensor logits = plain(L, &L->logits, FM_DTYPE_F32, T, Eg), dlogits = plain(L, &L->dlogits, FM_DTYPE_F32, T, Eg);
+    if ((st = fm_moe_router_backward(ctx, &rcfg, &logits, &ids, &dprobs, &dlogits)))
+        return st;
+    fm_tensor wr = plain(L, &(lbuf){w->router, 0}, FM_DTYPE_F32, Eg, H);
+    fm_tensor gwr = plain(L, &(lbuf){w->grad_router, 0}, FM_DTYPE_F32, Eg, H);
+    /* The router GEMMs have F32 operands, which any layout serves. */
+    if ((st = fm_linear_wgrad(ctx, &acc, &dlogits, x, &gwr)) || (st = fm_linear_dgrad(ctx, &acc, &dlogits, &wr, dx)))
+        return st;
+    return FM_OK;
+}
+
 static fm_status backward(fm_moe_layer *L, const fm_moe_weights *w, const fm_tensor *x, const fm_tensor *dy,
                           fm_tensor *dx)
 {
@@ -842,7 +899,7 @@ static fm_status backward(fm_moe_layer *L, const fm_moe_weights *w, const fm_ten
         return st;
     const fm_moe_layer_config *c = &L->cfg;
     fm_recipe rc = c->recipe;
-    int64_t T = L->T, R = L->R, Rr = L->Rr, Eg = c->experts, E = L->El, H = c->hidden, I = c->ffn, k = c->topk;
+    int64_t T = L->T, R = L->R, Rr = L->Rr, E = L->El, H = c->hidden, I = c->ffn, k = c->topk;
     int64_t Rm = max_rows(L);
     int64_t c0 = casts_now(ctx);
     fm_quant_config qc = {.rule = FM_SCALE_RULE_POW2};
@@ -859,7 +916,7 @@ static fm_status backward(fm_moe_layer *L, const fm_moe_weights *w, const fm_ten
     fm_tensor slot_rows = plain(L, &L->slot_rows, FM_DTYPE_I32, Rr, k);
     fm_tensor row_map = plain(L, &L->row_map, FM_DTYPE_I32, Rm, 1);
     fm_tensor splits = plain(L, &L->splits, FM_DTYPE_I64, 1, E);
-    fm_tensor ids = plain(L, &L->ids, FM_DTYPE_I32, T, k), probs = plain(L, &L->probs, FM_DTYPE_F32, T, k);
+    fm_tensor ids = plain(L, &L->ids, FM_DTYPE_I32, T, k);
     fm_tensor rprobs = plain(L, &L->rprobs, FM_DTYPE_F32, R, 1);
     fm_permute_config pc = {.pad_multiple = c->pad_multiple};
 
@@ -900,39 +957,40 @@ static fm_status backward(fm_moe_layer *L, const fm_moe_weights *w, const fm_ten
         dy_col = gcol8(L, &L->dycol, FM_SCALE_BLOCK_1x128, R, H);
         if ((st = fm_quantize_grouped(ctx, &qc, &sp, &dyp, &dy_row, &dy_col)))
             return st;
+    }
+
+    /* The column-wise copies that only the weight gradients read go to the
+     * second queue, beside the data-gradient GEMMs; the weight gradients come
+     * last, beside the combine. The ops and their inputs are those of one
+     * queue, so the results are too, bit for bit. */
+    fm_tensor a_saved = bf(L, &L->a, R, 2 * I), hcol = {0}, xcol = {0};
+    if (rc == FM_RECIPE_FP8_BLOCKWISE) {
+        hcol = gcol8(L, &L->hcol, FM_SCALE_BLOCK_1x128, R, I);
+        xcol = gcol8(L, &L->xcol, FM_SCALE_BLOCK_1x128, R, H);
     } else if (is_flow(rc)) {
+        a_saved = rc == FM_RECIPE_FP8_FLOW ? act8(L, &L->asv, R, 2 * I) : act4(L, &L->asv, R, 2 * I);
+        hcol = gcol8(L, &L->hcol, wmode, R, I);
+        xcol = gcol8(L, &L->xcol, wmode, R, H);
         dy_col = gcol8(L, &L->dycol, FM_SCALE_BLOCK_1x128, R, H);
-        if ((st = fm_transpose_scaled_grouped(ctx, &rq, &sp, &dy_row, &dy_col)))
+        /* h is recomputed from the saved activation (cheaper than keeping it). */
+        fm_tensor hq = act8(L, &L->hq, R, I), xp = act8(L, &L->xp, R, H);
+        if ((st = use_queue(L, 1, 1)) || (st = fm_transpose_scaled_grouped(ctx, &rq, &sp, &dy_row, &dy_col)) ||
+            (st = fm_moe_swiglu(ctx, &qc, &a_saved, &rprobs, &hq, NULL, NULL)) ||
+            (st = fm_transpose_scaled_grouped(ctx, &rqw, &sp, &hq, &hcol)))
+            return st;
+        if (rc == FM_RECIPE_FP8_FLOW_FP4) {
+            fm_tensor x4 = act4(L, &L->xp4, R, H);
+            if ((st = fm_convert_scaled(ctx, &rq, &x4, &xp)))
+                return st;
+        }
+        if ((st = fm_transpose_scaled_grouped(ctx, &rqw, &sp, &xp, &xcol)) || (st = use_queue(L, 0, 0)))
             return st;
     }
 
-    /* fc2: data gradient, then the weight gradient. */
+    /* fc2's data gradient, dSwiGLU (and the probabilities' gradient per row). */
     fm_tensor dh = bf(L, &L->dh, R, I), w2t = weight_b(L, 2, 1), w1t = weight_b(L, 1, 1);
     if ((st = fm_grouped_gemm(ctx, &g0, &sp, &dy_row, &w2t, &dh)))
         return st;
-    fm_tensor gw2 = plain3(L, w->grad_w2, FM_DTYPE_F32, E, H, I), gw1 = plain3(L, w->grad_w1, FM_DTYPE_F32, E, 2 * I, H);
-    fm_tensor a_saved;
-    if (rc == FM_RECIPE_BF16) {
-        if ((st = wgrad_bf16(L, &L->dyp, H, &L->h, I, w->grad_w2)))
-            return st;
-        a_saved = bf(L, &L->a, R, 2 * I);
-    } else {
-        fm_tensor hcol = gcol8(L, &L->hcol, wmode, R, I);
-        if (rc == FM_RECIPE_FP8_BLOCKWISE) {
-            a_saved = bf(L, &L->a, R, 2 * I);
-        } else {
-            /* h is recomputed from the saved activation (cheaper than keeping it). */
-            a_saved = rc == FM_RECIPE_FP8_FLOW ? act8(L, &L->asv, R, 2 * I) : act4(L, &L->asv, R, 2 * I);
-            fm_tensor hq = act8(L, &L->hq, R, I);
-            if ((st = fm_moe_swiglu(ctx, &qc, &a_saved, &rprobs, &hq, NULL, NULL)) ||
-                (st = fm_transpose_scaled_grouped(ctx, &rqw, &sp, &hq, &hcol)))
-                return st;
-        }
-        if ((st = fm_grouped_gemm_wgrad(ctx, &acc, &sp, &dy_col, &hcol, &gw2)))
-            return st;
-    }
-
-    /* dSwiGLU (and the probabilities' gradient per row). */
     fm_tensor dprobs_rows = plain(L, &L->dprobs_rows, FM_DTYPE_F32, R, 1);
     fm_tensor da_row, da_col = {0};
     if (rc == FM_RECIPE_BF16 || rc == FM_RECIPE_FP8_BLOCKWISE) {
@@ -950,61 +1008,24 @@ static fm_status backward(fm_moe_layer *L, const fm_moe_weights *w, const fm_ten
         da_row = act8(L, &L->daq, R, 2 * I);
         da_col = gcol8(L, &L->dacol, FM_SCALE_BLOCK_1x128, R, 2 * I);
         if ((st = fm_moe_swiglu_backward(ctx, &qc, &dh, &a_saved, &rprobs, &da_row, NULL, &dprobs_rows)) ||
-            (st = fm_transpose_scaled_grouped(ctx, &rq, &sp, &da_row, &da_col)))
+            (st = use_queue(L, 1, 1)) || (st = fm_transpose_scaled_grouped(ctx, &rq, &sp, &da_row, &da_col)) ||
+            (st = use_queue(L, 0, 0)))
             return st;
     }
 
-    /* fc1: data gradient, weight gradient. */
+    /* fc1's data gradient; then the weight gradients (once the copies are
+     * done) while the second queue brings dx and d(probs) back to the tokens. */
     fm_tensor dxp = bf(L, &L->dxp, R, H);
-    if ((st = fm_grouped_gemm(ctx, &g0, &sp, &da_row, &w1t, &dxp)))
+    if ((st = fm_grouped_gemm(ctx, &g0, &sp, &da_row, &w1t, &dxp)) || (st = use_queue(L, 0, 1)) ||
+        (st = use_queue(L, 1, 1)) || (st = to_tokens(L, w, x, &dxp, dx)) || (st = use_queue(L, 0, 0)))
         return st;
+    fm_tensor gw2 = plain3(L, w->grad_w2, FM_DTYPE_F32, E, H, I), gw1 = plain3(L, w->grad_w1, FM_DTYPE_F32, E, 2 * I, H);
     if (rc == FM_RECIPE_BF16) {
-        if ((st = wgrad_bf16(L, &L->da, 2 * I, &L->xp, H, w->grad_w1)))
+        if ((st = wgrad_bf16(L, &L->dyp, H, &L->h, I, w->grad_w2)) ||
+            (st = wgrad_bf16(L, &L->da, 2 * I, &L->xp, H, w->grad_w1)))
             return st;
-    } else {
-        fm_tensor xcol = gcol8(L, &L->xcol, wmode, R, H);
-        if (rc == FM_RECIPE_FP8_FLOW) {
-            fm_tensor xp = act8(L, &L->xp, R, H);
-            if ((st = fm_transpose_scaled_grouped(ctx, &rqw, &sp, &xp, &xcol)))
-                return st;
-        } else if (rc == FM_RECIPE_FP8_FLOW_FP4) {
-            fm_tensor x4 = act4(L, &L->xp4, R, H), x8 = act8(L, &L->xp, R, H);
-            if ((st = fm_convert_scaled(ctx, &rq, &x4, &x8)) ||
-                (st = fm_transpose_scaled_grouped(ctx, &rqw, &sp, &x8, &xcol)))
-                return st;
-        }
-        if ((st = fm_grouped_gemm_wgrad(ctx, &acc, &sp, &da_col, &xcol, &gw1)))
-            return st;
-    }
-
-    /* Back to tokens: dx = Σ_j dxp[row(t, j)], then the router's share. */
-    dxp.shape[0] = Rm;
-    if ((st = ep_combine(L, &dxp, &slot_rows, &ids, dx)))
-        return st;
-    /* d(probs)[t, j] = dprobs_rows[row(t, j)]: unpermute_backward with a
-     * one-column dout of ones is exactly that gather (a one-term dot). Over
-     * expert parallelism it gathers the received rows' slots, and the
-     * combine brings each choice's value home from the one rank it lives on. */
-    fm_tensor ones = plain(L, &L->ones, FM_DTYPE_F32, Rr, 1), dpr = plain(L, &L->dprobs_rows, FM_DTYPE_F32, Rm, 1);
-    fm_tensor scratch = plain(L, &L->scratch1, FM_DTYPE_F32, Rm, 1), dprobs = plain(L, &L->dprobs, FM_DTYPE_F32, T, k);
-    fm_tensor pprobs = probs, dpk = dprobs;
-    if (c->comm) {
-        pprobs = plain(L, &L->rprobk, FM_DTYPE_F32, Rr, k);
-        dpk = plain(L, &L->dprobk, FM_DTYPE_F32, Rr, k);
-    }
-    if ((st = fm_moe_unpermute_backward(ctx, &ones, &dpr, &row_map, &slot_rows, &pprobs, &scratch, &dpk)))
-        return st;
-    fm_ep_config ep = {.experts_per_rank = (int)E};
-    if (c->comm && (st = fm_ep_combine(ctx, c->comm, &ep, &ids, &dpk, &dprobs)))
-        return st;
-    fm_router_config rcfg = {.topk = c->topk, .score = c->score, .renormalize = c->renormalize};
-    fm_tensor logits = plain(L, &L->logits, FM_DTYPE_F32, T, Eg), dlogits = plain(L, &L->dlogits, FM_DTYPE_F32, T, Eg);
-    if ((st = fm_moe_router_backward(ctx, &rcfg, &logits, &ids, &dprobs, &dlogits)))
-        return st;
-    fm_tensor wr = plain(L, &(lbuf){w->router, 0}, FM_DTYPE_F32, Eg, H);
-    fm_tensor gwr = plain(L, &(lbuf){w->grad_router, 0}, FM_DTYPE_F32, Eg, H);
-    /* The router GEMMs have F32 operands, which any layout serves. */
-    if ((st = fm_linear_wgrad(ctx, &acc, &dlogits, x, &gwr)) || (st = fm_linear_dgrad(ctx, &acc, &dlogits, &wr, dx)))
+    } else if ((st = fm_grouped_gemm_wgrad(ctx, &acc, &sp, &dy_col, &hcol, &gw2)) ||
+               (st = fm_grouped_gemm_wgrad(ctx, &acc, &sp, &da_col, &xcol, &gw1)))
         return st;
     L->info.casts_per_step += casts_now(ctx) - c0;
     L->have_forward = 0;
@@ -1017,5 +1038,9 @@ fm_status fm_moe_layer_backward(fm_moe_layer *L, const fm_moe_weights *w, const 
     if (!L)
         return FM_ERR_INVALID_ARG;
     fm_error_clear(L->ctx);
-    return ep_fail(L, backward(L, w, x, dy, dx));
+    fm_status st = backward(L, w, x, dy, dx);
+    /* Queue 0 waits for the second queue's work, even after a failure: the
+     * caller's next op on the context stream must see all of this step. */
+    fm_status st2 = use_queue(L, 0, 1);
+    return ep_fail(L, st ? st : st2);
 }

@@ -301,6 +301,10 @@ static void rejects_bad_config(fm_context *ctx)
     c.hidden = 48;
     CHECK(fm_moe_layer_create(ctx, &c, &L) == FM_ERR_INVALID_ARG && strstr(fm_last_error(ctx), "hidden"),
           "fp4 hidden: %s", fm_last_error(ctx));
+    c = ok;
+    c.single_stream = 2;
+    CHECK(fm_moe_layer_create(ctx, &c, &L) == FM_ERR_INVALID_ARG && strstr(fm_last_error(ctx), "single_stream") && !L,
+          "single_stream 2: %s", fm_last_error(ctx));
     CHECK(fm_moe_layer_create(ctx, &ok, &L) == FM_OK, "valid config: %s", fm_last_error(ctx));
     float x[16 * 64], y[16 * 64];
     fm_tensor tx = fm_tensor_2d(x, FM_DTYPE_F32, 16, 64), ty = fm_tensor_2d(y, FM_DTYPE_F32, 16, 64);

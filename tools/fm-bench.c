@@ -617,6 +617,7 @@ static const mcase mcases[] = {
     {"moe_unpermute + combine BF16 -> F32, probs", M_UNPERMUTE, FM_DTYPE_BF16, FM_DTYPE_F32, 0, 0.80},
     {"moe_swiglu BF16 -> E4M3 1x128 row, probs", M_SWIGLU, FM_DTYPE_BF16, FM_DTYPE_E4M3, 0, 0.85},
     {"moe_swiglu BF16 -> E4M3 1x128 row+col, probs", M_SWIGLU, FM_DTYPE_BF16, FM_DTYPE_E4M3, 1, 0},
+    {"moe_swiglu E4M3 1x128 -> E4M3 1x128 row, probs (fp8-flow's recompute)", M_SWIGLU, FM_DTYPE_E4M3, FM_DTYPE_E4M3, 0, 0},
     {"unfused moe_swiglu BF16 -> BF16, fm_quantize -> E4M3 1x128 row", M_SWIGLU_UNFUSED, FM_DTYPE_BF16, FM_DTYPE_E4M3, 0, 0},
     {"moe_swiglu_backward dh BF16, in E4M3 1x128 -> E4M3 1x128 row, dprobs", M_DSWIGLU, FM_DTYPE_BF16, FM_DTYPE_E4M3, 0, 0.80},
     {"moe_swiglu_backward dh BF16, in E4M3 1x128 -> E4M3 1x128 row+col, dprobs", M_DSWIGLU, FM_DTYPE_BF16, FM_DTYPE_E4M3, 1, 0},
@@ -819,7 +820,7 @@ static int bench_moe(fm_context *ctx, cudaStream_t s, const char *filter, double
                 break;
             case M_SWIGLU:
             case M_SWIGLU_UNFUSED:
-                m.a[k] = mdev(c->in, FM_SCALE_NONE, M, 2 * I, FM_LAYOUT_ROWWISE);
+                m.a[k] = mdev(c->in, c->in == FM_DTYPE_BF16 ? FM_SCALE_NONE : q, M, 2 * I, FM_LAYOUT_ROWWISE);
                 m.o[k] = mdev(c->out, q, M, I, FM_LAYOUT_ROWWISE);
                 if (c->col)
                     m.oc[k] = mdev(c->out, q, M, I, FM_LAYOUT_COLWISE);
@@ -877,16 +878,20 @@ static int bench_moe(fm_context *ctx, cudaStream_t s, const char *filter, double
     routing_free(&r);
     /* Fused over unfused, each pair measured above. */
     const result *f = NULL, *u = NULL, *bf = NULL, *bu = NULL;
-    for (int i = 0; i < n; i++) {
-        if (!strcmp(out[i].name, mcases[3].name))
-            f = &out[i];
-        if (!strcmp(out[i].name, mcases[5].name))
-            u = &out[i];
-        if (!strcmp(out[i].name, mcases[6].name))
-            bf = &out[i];
-        if (!strcmp(out[i].name, mcases[8].name))
-            bu = &out[i];
-    }
+    for (int i = 0; i < n; i++)
+        for (int ci = 0; ci < NMCASES; ci++) {
+            const mcase *c = &mcases[ci];
+            if (strcmp(out[i].name, c->name) || c->col || c->in != FM_DTYPE_BF16)
+                continue; /* the pairs: BF16 in, row-wise out */
+            if (c->op == M_SWIGLU)
+                f = &out[i];
+            else if (c->op == M_SWIGLU_UNFUSED)
+                u = &out[i];
+            else if (c->op == M_DSWIGLU)
+                bf = &out[i];
+            else if (c->op == M_DSWIGLU_UNFUSED)
+                bu = &out[i];
+        }
     if (f && u && f->ok && u->ok && f->ms > 0)
         *swiglu_speedup = u->ms / f->ms;
     if (bf && bu && bf->ok && bu->ok && bf->ms > 0)
@@ -902,10 +907,20 @@ static int bench_moe(fm_context *ctx, cudaStream_t s, const char *filter, double
 #define LB_E 8
 #define LB_K 8
 
-/* The layer rows: every recipe, then fp8-flow again with the TIGHT 128 x 1
- * column copies of x and h (cfg.wgrad_tight_columns) next to the default
- * ROWMAX 128 x 128 ones. */
-#define LB_ROWS (FM_RECIPE_COUNT + 1)
+/* The layer rows: every recipe, then variants of one: fp8-flow with the
+ * TIGHT 128 x 1 column copies of x and h (cfg.wgrad_tight_columns) next to
+ * the default ROWMAX 128 x 128 ones, and bf16 and fp8-flow with their
+ * backward on one stream (cfg.single_stream) next to the default two. */
+#define LB_ROWS (FM_RECIPE_COUNT + 3)
+static const struct {
+    fm_recipe recipe;
+    int tight, single;
+    const char *label;
+} lb_variant[LB_ROWS - FM_RECIPE_COUNT] = {
+    {FM_RECIPE_FP8_FLOW, 1, 0, "fp8-flow, x and h 128x1 TIGHT for the weight gradients"},
+    {FM_RECIPE_BF16, 0, 1, "bf16, backward on one stream"},
+    {FM_RECIPE_FP8_FLOW, 0, 1, "fp8-flow, backward on one stream"},
+};
 
 typedef struct lresult {
     const char *label; /* the table's first column */
@@ -957,7 +972,9 @@ static int bench_layer(fm_context *ctx, cudaStream_t s, const char *filter, lres
 {
     static const char *names[LB_ROWS] = {"moe_layer forward+backward bf16", "moe_layer forward+backward fp8-blockwise",
                                          "moe_layer forward+backward fp8-flow", "moe_layer forward+backward fp8-flow-fp4",
-                                         "moe_layer forward+backward fp8-flow, wgrad tight columns"};
+                                         "moe_layer forward+backward fp8-flow, wgrad tight columns",
+                                         "moe_layer forward+backward bf16, one stream",
+                                         "moe_layer forward+backward fp8-flow, one stream"};
     int any = 0;
     for (int r = 0; r < LB_ROWS; r++)
         any |= !filter || strstr(names[r], filter) != NULL;
@@ -988,14 +1005,16 @@ static int bench_layer(fm_context *ctx, cudaStream_t s, const char *filter, lres
     for (int r = 0; r < LB_ROWS; r++) {
         if (filter && !strstr(names[r], filter))
             continue;
-        const fm_recipe rc = r < FM_RECIPE_COUNT ? (fm_recipe)r : FM_RECIPE_FP8_FLOW;
+        const int v = r - FM_RECIPE_COUNT;
+        const fm_recipe rc = v < 0 ? (fm_recipe)r : lb_variant[v].recipe;
         fm_moe_layer_config cfg = {.hidden = LB_H, .ffn = LB_I, .experts = LB_E, .topk = LB_K,
                                    .score = FM_ROUTER_SOFTMAX, .renormalize = 1, .recipe = rc,
-                                   .max_tokens = LB_T, .wgrad_tight_columns = r >= FM_RECIPE_COUNT};
+                                   .max_tokens = LB_T, .wgrad_tight_columns = v >= 0 && lb_variant[v].tight,
+                                   .single_stream = v >= 0 && lb_variant[v].single};
         lresult *o = &out[n++];
         memset(o, 0, sizeof *o);
         o->recipe = rc;
-        o->label = r < FM_RECIPE_COUNT ? fm_recipe_name(rc) : "fp8-flow, x and h 128x1 TIGHT for the weight gradients";
+        o->label = v < 0 ? fm_recipe_name(rc) : lb_variant[v].label;
         l.layer = NULL;
         l.name = names[r];
         l.failed = 0;

@@ -71,6 +71,8 @@ const fm_backend fm_cpu_backend = {
     /* .moe_unpermute_backward= */ fm_cpu_moe_unpermute_backward,
     /* .moe_swiglu            = */ fm_cpu_moe_swiglu,
     /* .moe_swiglu_backward   = */ fm_cpu_moe_swiglu_backward,
+    /* .queue_prepare         = */ NULL, /* ops run in call order */
+    /* .queue_select          = */ NULL,
 };
 
 fm_status fm_cpu_backend_init(fm_context *ctx, const fm_context_config *cfg)

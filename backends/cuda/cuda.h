@@ -16,12 +16,23 @@ typedef struct fm_cuda_state {
     void *gemm;            /* GEMM plan cache and side streams (gemm.cu), NULL until the first GEMM */
     void *host_small;      /* FM_CUDA_HOST_SMALL bytes of pinned host memory: the small device-to-host
                             * readbacks an op waits for (a copy to pageable memory takes a staging detour) */
+    /* Queue 1 (internal.h's fm_queue_select): a stream and a workspace of its
+     * own, so that its ops never share scratch with queue 0's; `queue` is
+     * where ops go now. Made by fm_queue_prepare. */
+    int queue;
+    cudaStream_t q1_stream;
+    cudaEvent_t q_event;
+    void *q1_workspace;
 } fm_cuda_state;
 
 #define FM_CUDA_HOST_SMALL 256
 
 static inline fm_cuda_state *fm_cuda(fm_context *ctx) { return (fm_cuda_state *)ctx->be_state; }
-static inline cudaStream_t fm_cuda_stream(fm_context *ctx) { return (cudaStream_t)ctx->stream; }
+static inline cudaStream_t fm_cuda_stream(fm_context *ctx)
+{
+    const fm_cuda_state *s = fm_cuda(ctx);
+    return s->queue ? s->q1_stream : (cudaStream_t)ctx->stream;
+}
 
 /* An op makes the context's device current and gives the caller's back. */
 typedef struct fm_cuda_device_guard {

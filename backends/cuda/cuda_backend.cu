@@ -72,7 +72,7 @@ fm_status fm_cuda_scratch(fm_context *ctx, size_t bytes, void **p, int *owned, c
     fm_cuda_state *s = fm_cuda(ctx);
     *owned = 0;
     if (bytes <= s->workspace_bytes) {
-        *p = s->workspace;
+        *p = s->queue ? s->q1_workspace : s->workspace;
         return FM_OK;
     }
     cudaError_t err = cudaMallocAsync(p, bytes, fm_cuda_stream(ctx));
@@ -107,6 +107,11 @@ static void cuda_destroy(fm_context *ctx)
     fm_cuda_gemm_destroy(s);
     if (s->workspace)
         cudaFree(s->workspace);
+    if (s->q1_workspace) {
+        cudaFree(s->q1_workspace);
+        cudaStreamDestroy(s->q1_stream);
+        cudaEventDestroy(s->q_event);
+    }
     if (s->host_small)
         cudaFreeHost(s->host_small);
     if (s->lt)
@@ -155,6 +160,62 @@ static fm_status cuda_mem_set(fm_context *ctx, void *p, int value, size_t bytes)
                          "fm_context_memset: cudaMemsetAsync");
 }
 
+/* Queue 1: a non-blocking stream, the event that orders the two queues, and
+ * a workspace the size of the context's (every op sizes its scratch by
+ * workspace_bytes). */
+static fm_status cuda_queue_prepare(fm_context *ctx)
+{
+    fm_cuda_state *s = fm_cuda(ctx);
+    if (s->q1_workspace)
+        return FM_OK;
+    fm_cuda_device_guard g;
+    fm_status st = fm_cuda_enter(ctx, &g, "fm_queue_prepare");
+    if (st)
+        return st;
+    cudaStream_t q = NULL;
+    cudaEvent_t ev = NULL;
+    void *ws = NULL;
+    /* (A higher priority for either queue's streams measured the same, S12-2.) */
+    cudaError_t err = cudaStreamCreateWithFlags(&q, cudaStreamNonBlocking);
+    if (err == cudaSuccess)
+        err = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+    if (err == cudaSuccess)
+        err = cudaMalloc(&ws, s->workspace_bytes);
+    if (err != cudaSuccess) {
+        if (ev)
+            cudaEventDestroy(ev);
+        if (q)
+            cudaStreamDestroy(q);
+        return fm_cuda_leave(ctx, &g, err, "second queue (stream, event, workspace)");
+    }
+    s->q1_stream = q;
+    s->q_event = ev;
+    s->q1_workspace = ws;
+    return fm_cuda_leave(ctx, &g, cudaSuccess, "fm_queue_prepare");
+}
+
+static fm_status cuda_queue_select(fm_context *ctx, int q, int wait)
+{
+    fm_cuda_state *s = fm_cuda(ctx);
+    if (q && !s->q1_workspace)
+        return fm_error(ctx, FM_ERR_BACKEND, "queue 1 selected before fm_queue_prepare made it");
+    cudaError_t err = cudaSuccess;
+    if (wait && s->q1_workspace) {
+        cudaStream_t q0 = (cudaStream_t)ctx->stream, q1 = s->q1_stream;
+        fm_cuda_device_guard g;
+        fm_status st = fm_cuda_enter(ctx, &g, "fm_queue_select");
+        if (st)
+            return st;
+        err = cudaEventRecord(s->q_event, q ? q0 : q1);
+        if (err == cudaSuccess)
+            err = cudaStreamWaitEvent(q ? q1 : q0, s->q_event, 0);
+        if ((st = fm_cuda_leave(ctx, &g, err, "fm_queue_select: ordering the two queues")))
+            return st;
+    }
+    s->queue = q != 0;
+    return FM_OK;
+}
+
 static const fm_backend cuda_backend = {
     /* .name                 = */ "cuda",
     /* .device               = */ FM_DEVICE_CUDA,
@@ -181,6 +242,8 @@ static const fm_backend cuda_backend = {
     /* .moe_unpermute_backward= */ fm_cuda_moe_unpermute_backward,
     /* .moe_swiglu            = */ fm_cuda_moe_swiglu,
     /* .moe_swiglu_backward   = */ fm_cuda_moe_swiglu_backward,
+    /* .queue_prepare         = */ cuda_queue_prepare,
+    /* .queue_select          = */ cuda_queue_select,
 };
 
 fm_status fm_cuda_backend_init(fm_context *ctx, const fm_context_config *cfg)

@@ -50,8 +50,9 @@ typedef struct {
 typedef struct fm_cuda_gemm_state {
     plan plans[GEMM_CACHE];
     int next;
-    cudaStream_t side[GEMM_STREAMS];
-    cudaEvent_t fork, join[GEMM_STREAMS];
+    /* by queue (fm_queue_select): a GEMM on queue 1 never waits behind queue 0's experts */
+    cudaStream_t side[2][GEMM_STREAMS];
+    cudaEvent_t fork[2], join[2][GEMM_STREAMS];
     int streams_ready;
 } gemm_state;
 
@@ -67,13 +68,14 @@ extern "C" void fm_cuda_gemm_destroy(fm_cuda_state *s)
             cublasLtMatrixLayoutDestroy(g->plans[i].lb);
             cublasLtMatrixLayoutDestroy(g->plans[i].ld);
         }
-    if (g->streams_ready) {
-        for (int i = 0; i < GEMM_STREAMS; i++) {
-            cudaStreamDestroy(g->side[i]);
-            cudaEventDestroy(g->join[i]);
+    if (g->streams_ready)
+        for (int q = 0; q < 2; q++) {
+            for (int i = 0; i < GEMM_STREAMS; i++) {
+                cudaStreamDestroy(g->side[q][i]);
+                cudaEventDestroy(g->join[q][i]);
+            }
+            cudaEventDestroy(g->fork[q]);
         }
-        cudaEventDestroy(g->fork);
-    }
     free(g);
     s->gemm = NULL;
 }
@@ -620,19 +622,27 @@ static fm_status ensure_streams(fm_context *ctx, gemm_state *g)
 {
     if (g->streams_ready)
         return FM_OK;
-    cudaError_t err = cudaEventCreateWithFlags(&g->fork, cudaEventDisableTiming);
+    cudaStream_t *ss = &g->side[0][0];
+    cudaEvent_t *js = &g->join[0][0];
+    const int n = 2 * GEMM_STREAMS;
+    cudaError_t err = cudaEventCreateWithFlags(&g->fork[0], cudaEventDisableTiming);
+    if (err == cudaSuccess && (err = cudaEventCreateWithFlags(&g->fork[1], cudaEventDisableTiming)) != cudaSuccess)
+        cudaEventDestroy(g->fork[0]);
+    if (err != cudaSuccess)
+        return fm_cuda_check(ctx, err, "grouped GEMM streams");
     int i = 0;
-    for (; err == cudaSuccess && i < GEMM_STREAMS; i++) {
-        err = cudaStreamCreateWithFlags(&g->side[i], cudaStreamNonBlocking);
-        if (err == cudaSuccess && (err = cudaEventCreateWithFlags(&g->join[i], cudaEventDisableTiming)) != cudaSuccess)
-            cudaStreamDestroy(g->side[i]);
+    for (; err == cudaSuccess && i < n; i++) {
+        err = cudaStreamCreateWithFlags(&ss[i], cudaStreamNonBlocking);
+        if (err == cudaSuccess && (err = cudaEventCreateWithFlags(&js[i], cudaEventDisableTiming)) != cudaSuccess)
+            cudaStreamDestroy(ss[i]);
     }
     if (err != cudaSuccess) {
         for (int j = 0; j < i - 1; j++) {
-            cudaStreamDestroy(g->side[j]);
-            cudaEventDestroy(g->join[j]);
+            cudaStreamDestroy(ss[j]);
+            cudaEventDestroy(js[j]);
         }
-        cudaEventDestroy(g->fork);
+        cudaEventDestroy(g->fork[0]);
+        cudaEventDestroy(g->fork[1]);
         return fm_cuda_check(ctx, err, "grouped GEMM streams");
     }
     g->streams_ready = 1;
@@ -663,21 +673,24 @@ static fm_status run_grouped(fm_context *ctx, const expert_job *jobs, int64_t n,
     if (st)
         return st;
     int ns = n < GEMM_STREAMS ? (int)n : GEMM_STREAMS;
-    cudaError_t err = cudaEventRecord(g->fork, s);
+    const int q = fm_cuda(ctx)->queue;
+    cudaStream_t *side = g->side[q];
+    cudaEvent_t *join = g->join[q];
+    cudaError_t err = cudaEventRecord(g->fork[q], s);
     for (int i = 0; err == cudaSuccess && i < ns; i++)
-        err = cudaStreamWaitEvent(g->side[i], g->fork, 0);
+        err = cudaStreamWaitEvent(side[i], g->fork[q], 0);
     if ((st = fm_cuda_check(ctx, err, "grouped GEMM fork")))
         return st;
     for (int64_t e = 0; e < n && !st; e++) {
         int i = (int)(e % ns);
         st = lt_matmul(ctx, &jobs[e].a, &jobs[e].b, jobs[e].M, jobs[e].N, jobs[e].K, jobs[e].d, ddt, jobs[e].ldd,
-                       accumulate, g->side[i], ws + (size_t)i * LT_WS_GROUPED, LT_WS_GROUPED);
+                       accumulate, side[i], ws + (size_t)i * LT_WS_GROUPED, LT_WS_GROUPED);
     }
     /* Join even after a failure, so that the context stream never runs ahead
      * of work queued on the side streams. */
     for (int i = 0; i < ns; i++) {
-        cudaError_t e1 = cudaEventRecord(g->join[i], g->side[i]);
-        cudaError_t e2 = e1 == cudaSuccess ? cudaStreamWaitEvent(s, g->join[i], 0) : e1;
+        cudaError_t e1 = cudaEventRecord(join[i], side[i]);
+        cudaError_t e2 = e1 == cudaSuccess ? cudaStreamWaitEvent(s, join[i], 0) : e1;
         if (e2 != cudaSuccess && !st)
             st = fm_cuda_check(ctx, e2, "grouped GEMM join");
     }

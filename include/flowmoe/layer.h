@@ -91,6 +91,13 @@ typedef struct fm_moe_layer_config {
      * amax (1: the TIGHT transpose, which loses fewer small values to
      * underflow). dy and the SwiGLU input gradient stay TIGHT 128 x 1. */
     int wgrad_tight_columns;
+    /* 1: every op of a step on the context's stream, one after another. 0 (the
+     * default): on CUDA, backward runs the column-wise copies the weight
+     * gradients read, and the way back to the tokens, on a second stream
+     * beside the GEMMs (the context keeps a second workspace for it, of
+     * fm_context_config.workspace_bytes). The results are the same bit for
+     * bit; with a comm the layer always keeps to one stream. */
+    int single_stream;
 } fm_moe_layer_config;
 
 /* Caller-owned F32 tensors in the context's memory, row-major. */

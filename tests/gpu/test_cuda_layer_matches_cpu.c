@@ -1,5 +1,7 @@
 /* One MoE layer step (forward + backward, every recipe) on CUDA is the same
- * bits run to run, and against the CPU backend from the same weights and data: y, dx and the three weight
+ * bits run to run and with its backward on one stream or two
+ * (cfg.single_stream; also at a size where the two streams' kernels overlap
+ * for long), and against the CPU backend from the same weights and data: y, dx and the three weight
  * gradients within a relative Frobenius error bound. The GEMMs may differ
  * by their tolerance (cuBLASLt sums in F32, the CPU in double), and an FP8
  * recipe re-quantizes GEMM outputs, where such a difference can move a value
@@ -33,6 +35,65 @@ static fm_status step(fm_context *ctx, const fm_moe_layer_config *cfg, bufs *b, 
     return layer_step(ctx, cfg, &w, &x, &y, &dy, &dx, NULL);
 }
 
+/* Every output of a step at a size where queue 1's copies run for hundreds
+ * of microseconds beside queue 0's GEMMs: two streams (three runs, outputs
+ * poisoned between them) against one, bit for bit. A missing wait between
+ * the queues shows here as a difference or as NaN. */
+static void streams_agree(fm_context *gpu, fm_recipe rc)
+{
+    const int64_t T = 2048, H = 1024, I = 512, E = 8;
+    const int k = 4;
+    int64_t n[NB] = {E * H, E * 2 * I * H, E * H * I, E * H, E * 2 * I * H, E * H * I, T * H, T * H, T * H, T * H};
+    double sc[NB] = {0.03, 0.03, 0.044, 0, 0, 0, 1, 0, 1, 0};
+    bufs h, d;
+    float *ref[NB] = {0};
+    for (int i = 0; i < NB; i++) {
+        h.p[i] = sc[i] > 0 ? randv(n[i], sc[i]) : calloc((size_t)n[i], 4);
+        GT_CHECK(fm_context_alloc(gpu, (size_t)n[i] * 4, (void **)&d.p[i]) == FM_OK, "alloc: %s", fm_last_error(gpu));
+    }
+    for (int run = 0; run < 4; run++) {
+        fm_moe_layer_config cfg = {.hidden = H, .ffn = I, .experts = E, .topk = k, .renormalize = 1,
+                                   .recipe = rc, .max_tokens = T, .single_stream = run == 0};
+        for (int i = 0; i < NB; i++) {
+            if (sc[i] > 0 || i == GR || i == G1 || i == G2 || i == DY)
+                GT_CHECK(fm_context_copy(gpu, d.p[i], FM_DEVICE_CUDA, h.p[i], FM_DEVICE_HOST, (size_t)n[i] * 4) ==
+                             FM_OK,
+                         "copy");
+            else
+                GT_CHECK(fm_context_memset(gpu, d.p[i], 0xFF, (size_t)n[i] * 4) == FM_OK, "poison");
+        }
+        fm_status st = step(gpu, &cfg, &d, T, H);
+        GT_CHECK(st == FM_OK, "%s at T %lld, run %d: %s", fm_recipe_name(rc), (long long)T, run, fm_last_error(gpu));
+        if (st)
+            break;
+        static const int outs[] = {Y, DX, GR, G1, G2};
+        for (int o = 0; o < 5; o++) {
+            int i = outs[o];
+            float *g = malloc((size_t)n[i] * 4);
+            GT_CHECK(fm_context_copy(gpu, g, FM_DEVICE_HOST, d.p[i], FM_DEVICE_CUDA, (size_t)n[i] * 4) == FM_OK,
+                     "copy back");
+            if (run == 0) {
+                int64_t bad = 0;
+                for (int64_t j = 0; j < n[i]; j++)
+                    bad += !isfinite(g[j]);
+                GT_CHECK(bad == 0, "%s at T %lld, one stream: output %d has %lld non-finite values",
+                         fm_recipe_name(rc), (long long)T, o, (long long)bad);
+                ref[i] = g;
+                continue;
+            }
+            GT_CHECK(memcmp(g, ref[i], (size_t)n[i] * 4) == 0,
+                     "%s at T %lld: output %d of two-stream run %d differs from the one-stream run", fm_recipe_name(rc),
+                     (long long)T, o, run);
+            free(g);
+        }
+    }
+    for (int i = 0; i < NB; i++) {
+        fm_context_free(gpu, d.p[i]);
+        free(h.p[i]);
+        free(ref[i]);
+    }
+}
+
 int main(void)
 {
     fm_context *gpu = gt_cuda_context("test_cuda_layer_matches_cpu");
@@ -62,7 +123,7 @@ int main(void)
         GT_CHECK(sc_ == FM_OK, "%s on CPU: %s", rn, fm_last_error(cpu));
         fm_status sg = step(gpu, &cfg, &d, T, H);
         GT_CHECK(sg == FM_OK, "%s on CUDA: %s", rn, fm_last_error(gpu));
-        /* Run to run on CUDA: the same step from the same inputs gives the same bits. */
+        /* Run to run on CUDA, the second run on one stream: the same bits. */
         static const int outs2[] = {Y, DX, GR, G1, G2};
         float *first[5] = {0};
         for (int o = 0; o < 5 && sg == FM_OK; o++) {
@@ -75,15 +136,17 @@ int main(void)
             GT_CHECK(fm_context_copy(gpu, d.p[i], FM_DEVICE_CUDA, h.p[i], FM_DEVICE_HOST, (size_t)n[i] * 4) == FM_OK,
                      "copy: %s", fm_last_error(gpu));
         if (sg == FM_OK) {
-            fm_status s2 = step(gpu, &cfg, &d, T, H);
+            fm_moe_layer_config one = cfg;
+            one.single_stream = 1;
+            fm_status s2 = step(gpu, &one, &d, T, H);
             GT_CHECK(s2 == FM_OK, "%s on CUDA, second run: %s", rn, fm_last_error(gpu));
             for (int o = 0; o < 5 && s2 == FM_OK; o++) {
                 int i = outs2[o];
                 float *g = malloc((size_t)n[i] * 4);
                 GT_CHECK(fm_context_copy(gpu, g, FM_DEVICE_HOST, d.p[i], FM_DEVICE_CUDA, (size_t)n[i] * 4) == FM_OK,
                          "copy back");
-                GT_CHECK(memcmp(g, first[o], (size_t)n[i] * 4) == 0, "%s: output %d differs between two CUDA runs",
-                         rn, o);
+                GT_CHECK(memcmp(g, first[o], (size_t)n[i] * 4) == 0,
+                         "%s: output %d differs between the two-stream and the one-stream CUDA run", rn, o);
                 free(g);
             }
         }
@@ -109,6 +172,8 @@ int main(void)
     }
     for (int i = 0; i < NB; i++)
         free(h.p[i]), free(c.p[i]);
+    for (int rc = 0; rc < FM_RECIPE_COUNT; rc++)
+        streams_agree(gpu, (fm_recipe)rc);
     fm_context_destroy(gpu);
     fm_context_destroy(cpu);
     printf("test_cuda_layer_matches_cpu: %d failures\n", gt_failures);
