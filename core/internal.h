@@ -31,6 +31,9 @@ typedef struct fm_backend {
     /* fm_transpose_scaled_grouped. */
     fm_status (*requantize_grouped)(fm_context *ctx, const fm_requant_config *cfg, const fm_splits *splits,
                                     const fm_tensor *in, fm_tensor *out);
+    /* fm_transpose_scaled_grouped_rows. */
+    fm_status (*requantize_grouped_rows)(fm_context *ctx, const fm_requant_config *cfg, const fm_splits *splits,
+                                         const fm_tensor *in, const fm_tensor *row_map, int topk, fm_tensor *out);
     /* fm_gemm and the fm_linear_* entry points (core hands over A [M,K], B [N,K]). */
     fm_status (*gemm)(fm_context *ctx, const fm_gemm_config *cfg, const fm_tensor *a, const fm_tensor *b,
                       fm_tensor *d);

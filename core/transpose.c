@@ -45,9 +45,11 @@ static fm_status check_grouped(fm_context *ctx, const fm_splits *splits, const f
 }
 
 /* splits: NULL for fm_transpose_scaled / fm_convert_scaled, the groups of
- * fm_transpose_scaled_grouped (whose out scale array is the grouped one). */
+ * fm_transpose_scaled_grouped (whose out scale array is the grouped one).
+ * in_bufs: the tensor whose buffers out must not overlap (in, except for
+ * the rows' transpose, whose `in` describes the permuted rows it reads). */
 static fm_status check_requant(fm_context *ctx, const fm_requant_config *cfg, const fm_splits *splits,
-                               const fm_tensor *in, const fm_tensor *out, int transpose)
+                               const fm_tensor *in, const fm_tensor *out, int transpose, const fm_tensor *in_bufs)
 {
     fm_status st;
     if ((unsigned)cfg->rule >= FM_REQUANT_RULE_COUNT)
@@ -121,9 +123,9 @@ static fm_status check_requant(fm_context *ctx, const fm_requant_config *cfg, co
                         "out: scale_capacity is %lld bytes but the grouped %s layout over splits needs %lld",
                         (long long)out->scale_capacity, fm_scale_layout_name(out->scale_layout),
                         (long long)out_sbytes);
-    const void *ob[2] = {out->data, out->scale}, *ib[2] = {in->data, in->scale};
+    const void *ob[2] = {out->data, out->scale}, *ib[2] = {in_bufs->data, in_bufs->scale};
     const int64_t on[2] = {fm_tensor_nbytes(out), out_sbytes};
-    const int64_t inn[2] = {fm_tensor_nbytes(in), fm_tensor_scale_nbytes(in)};
+    const int64_t inn[2] = {fm_tensor_nbytes(in_bufs), fm_tensor_scale_nbytes(in_bufs)};
     static const char *oname[2] = {"out->data", "out->scale"}, *iname[2] = {"in->data", "in->scale"};
     for (int i = 0; i < 2; i++)
         for (int j = 0; j < 2; j++)
@@ -139,7 +141,7 @@ static fm_status requant(fm_context *ctx, const fm_requant_config *cfg_in, const
         return FM_ERR_INVALID_ARG;
     fm_error_clear(ctx);
     fm_requant_config cfg = cfg_in ? *cfg_in : (fm_requant_config){0};
-    fm_status st = check_requant(ctx, &cfg, NULL, in, out, transpose);
+    fm_status st = check_requant(ctx, &cfg, NULL, in, out, transpose, in);
     if (st)
         return st;
     const char *op = transpose ? "fm_transpose_scaled" : "fm_convert_scaled";
@@ -176,7 +178,7 @@ fm_status fm_transpose_scaled_grouped(fm_context *ctx, const fm_requant_config *
     /* NULL splits would read as the ungrouped op below: refuse them first. */
     if (!splits)
         return fm_check_splits(ctx, NULL, 0, "in", -1, NULL, "fm_transpose_scaled_grouped");
-    fm_status st = check_requant(ctx, &cfg, splits, in, out, 1);
+    fm_status st = check_requant(ctx, &cfg, splits, in, out, 1, in);
     if (st)
         return st;
     if (!ctx->be->requantize_grouped)
@@ -188,6 +190,55 @@ fm_status fm_transpose_scaled_grouped(fm_context *ctx, const fm_requant_config *
     ctx->stats.calls[FM_OP_TRANSPOSE_SCALED_GROUPED]++;
     ctx->stats.op_calls++;
     ctx->stats.bytes_read += fm_tensor_nbytes(in) + fm_tensor_scale_nbytes(in);
+    ctx->stats.bytes_written += fm_tensor_nbytes(out) + out_scale_nbytes(out, splits);
+    return FM_OK;
+}
+
+fm_status fm_transpose_scaled_grouped_rows(fm_context *ctx, const fm_requant_config *cfg_in, const fm_splits *splits,
+                                           const fm_tensor *in, const fm_tensor *row_map, int topk, fm_tensor *out)
+{
+    if (!ctx)
+        return FM_ERR_INVALID_ARG;
+    fm_error_clear(ctx);
+    fm_requant_config cfg = cfg_in ? *cfg_in : (fm_requant_config){0};
+    if (!splits)
+        return fm_check_splits(ctx, NULL, 0, "out", -1, NULL, "fm_transpose_scaled_grouped_rows");
+    fm_status st;
+    if ((st = fm_check_rows(ctx, in, "in", -1, -1, 1)))
+        return st;
+    if (in->dtype != FM_DTYPE_E4M3 && in->dtype != FM_DTYPE_E5M2)
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "in: the rows' transpose takes FP8 rows (E4M3 or E5M2), got %s",
+                        fm_dtype_name(in->dtype));
+    if (!out)
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "out: NULL");
+    if (out->ndim != 2 || out->shape[1] != in->shape[1])
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "out: must be 2-D [R, N] with in's N = %lld columns",
+                        (long long)in->shape[1]);
+    const int64_t T = in->shape[0], R = out->shape[0];
+    if (topk < 1 || (T > 0 && topk > INT32_MAX / T))
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "topk: %d; it must be >= 1 with T (%lld) x topk below 2^31", topk,
+                        (long long)T);
+    if ((st = fm_check_mat(ctx, row_map, "row_map", FM_CHK_UNSCALED, FM_DTYPE_I32, R, 1)))
+        return st;
+    /* The grouped rules on the rows the permute would make: in's descriptor with out's row count. */
+    fm_tensor rows = *in;
+    rows.shape[0] = R;
+    rows.data_capacity = rows.scale_capacity = 0; /* a view: in's own buffers were checked above */
+    if ((st = check_requant(ctx, &cfg, splits, &rows, out, 1, in)) ||
+        (st = fm_check_disjoint(ctx, out->data, fm_tensor_nbytes(out), "out->data", row_map->data,
+                                fm_tensor_nbytes(row_map), "row_map->data")) ||
+        (st = fm_check_disjoint(ctx, out->scale, out_scale_nbytes(out, splits), "out->scale", row_map->data,
+                                fm_tensor_nbytes(row_map), "row_map->data")))
+        return st;
+    if (!ctx->be->requantize_grouped_rows)
+        return fm_error(ctx, FM_ERR_UNSUPPORTED,
+                        "fm_transpose_scaled_grouped_rows: the %s backend does not implement it yet", ctx->be->name);
+    if ((st = ctx->be->requantize_grouped_rows(ctx, &cfg, splits, in, row_map, topk, out)))
+        return st;
+    /* Not a cast; in's rows counted once, like every op's input. */
+    ctx->stats.calls[FM_OP_TRANSPOSE_SCALED_GROUPED]++;
+    ctx->stats.op_calls++;
+    ctx->stats.bytes_read += fm_tensor_nbytes(in) + fm_tensor_scale_nbytes(in) + fm_tensor_nbytes(row_map);
     ctx->stats.bytes_written += fm_tensor_nbytes(out) + out_scale_nbytes(out, splits);
     return FM_OK;
 }

@@ -174,7 +174,7 @@ static void fill_device(void *d, fm_dtype t, size_t n)
 
 /* ---- cases ---------------------------------------------------------------- */
 
-typedef enum { OP_QUANT, OP_DEQUANT, OP_SLC, OP_TRANSPOSE, OP_CONVERT, OP_NAIVE, OP_TRANSPOSE_GROUPED, OP_TRANSPOSE_GROUPED128 } op_kind;
+typedef enum { OP_QUANT, OP_DEQUANT, OP_SLC, OP_TRANSPOSE, OP_CONVERT, OP_NAIVE, OP_TRANSPOSE_GROUPED, OP_TRANSPOSE_GROUPED128, OP_TRANSPOSE_ROWS } op_kind;
 
 /* 8 ragged experts over 32768 rows (none a multiple of 128) for the grouped transpose. */
 static const int64_t bench_split_sizes[8] = {4000, 5000, 3000, 6000, 2500, 4500, 3768, 4000};
@@ -182,8 +182,17 @@ static const fm_splits bench_splits = {8, bench_split_sizes, NULL};
 /* What the FP8 layer hands over: experts padded to 128 rows. */
 static const int64_t bench_split_sizes128[8] = {4096, 4992, 3072, 5888, 2560, 4480, 3840, 3840};
 static const fm_splits bench_splits128 = {8, bench_split_sizes128, NULL};
-static int is_grouped(op_kind k) { return k == OP_TRANSPOSE_GROUPED || k == OP_TRANSPOSE_GROUPED128; }
-static const fm_splits *splits_of(op_kind k) { return k == OP_TRANSPOSE_GROUPED128 ? &bench_splits128 : &bench_splits; }
+/* The layer's routing (4096 tokens, k 8 of 8 experts: every expert gets
+ * every token, in token order): the rows' transpose reads the 4096 token
+ * rows through row_map r = e 4096 + i -> slot 8 i + e. */
+#define BR_K 8
+static const int64_t bench_split_rows[8] = {4096, 4096, 4096, 4096, 4096, 4096, 4096, 4096};
+static const fm_splits bench_splits_rows = {8, bench_split_rows, NULL};
+static int is_grouped(op_kind k) { return k == OP_TRANSPOSE_GROUPED || k == OP_TRANSPOSE_GROUPED128 || k == OP_TRANSPOSE_ROWS; }
+static const fm_splits *splits_of(op_kind k)
+{
+    return k == OP_TRANSPOSE_GROUPED128 ? &bench_splits128 : k == OP_TRANSPOSE_ROWS ? &bench_splits_rows : &bench_splits;
+}
 
 typedef struct bcase {
     const char *name;
@@ -228,6 +237,8 @@ static const bcase cases[] = {
     {"transpose_scaled_grouped E4M3 1x128 row->col, 8 experts of 128-row multiples", OP_TRANSPOSE_GROUPED128, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0.85, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 0},
     {"transpose_scaled_grouped E4M3 1x128 row->col, 8 experts of 128-row multiples, trusted POW2 scales (the layer's call)", OP_TRANSPOSE_GROUPED128, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 1},
     {"transpose_scaled_grouped E4M3 1x128 row -> 128x128 col (ROWMAX), 8 experts of 128-row multiples, trusted POW2 scales (the flow recipes' x and h)", OP_TRANSPOSE_GROUPED128, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128, 1},
+    {"transpose_scaled_grouped_rows E4M3 1x128 row->col, 8 experts x 4096 of 4096 token rows, trusted POW2 scales (the flow recipes' dy)", OP_TRANSPOSE_ROWS, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 1},
+    {"transpose_scaled_grouped_rows E4M3 1x128 row -> 128x128 col (ROWMAX), 8 experts x 4096 of 4096 token rows, trusted POW2 scales (fp8-flow's x)", OP_TRANSPOSE_ROWS, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128, 1},
     {"transpose_scaled_grouped E4M3 1x128 row->col, 8 ragged experts (not multiples of 16)", OP_TRANSPOSE_GROUPED, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 0},
     {"transpose_scaled E4M3 MX32 row->col", OP_TRANSPOSE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_MX32, 0},
     {"transpose_scaled E2M1 MX32 row->col", OP_TRANSPOSE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E2M1, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E2M1, FM_SCALE_MX32, 0},
@@ -249,6 +260,7 @@ typedef struct run_arg {
     fm_context *ctx;
     const bcase *c;
     fm_tensor in[NROT], qrow[NROT], qcol[NROT], out[NROT];
+    fm_tensor rmap; /* OP_TRANSPOSE_ROWS */
     int nrot;
     fm_quant_config qc;
     int failed;
@@ -267,6 +279,8 @@ static void run_fn(void *p, int rep)
         st = fm_quantize(a->ctx, &a->qc, &a->in[k], a->c->row ? &a->qrow[k] : NULL, a->c->col ? &a->qcol[k] : NULL);
     else if (a->c->op == OP_TRANSPOSE)
         st = fm_transpose_scaled(a->ctx, &rq, &a->qrow[k], &a->out[k]);
+    else if (a->c->op == OP_TRANSPOSE_ROWS)
+        st = fm_transpose_scaled_grouped_rows(a->ctx, &rq, splits_of(a->c->op), &a->qrow[k], &a->rmap, BR_K, &a->out[k]);
     else if (is_grouped(a->c->op))
         st = fm_transpose_scaled_grouped(a->ctx, &rq, splits_of(a->c->op), &a->qrow[k], &a->out[k]);
     else if (a->c->op == OP_CONVERT)
@@ -927,6 +941,8 @@ typedef struct lresult {
     fm_recipe recipe;
     double ms, speedup; /* ms per forward + backward; bf16's time over this recipe's */
     int64_t workspace;
+    int64_t saved;      /* activation bytes the forward kept for backward (fm_moe_layer_info) */
+    double saved_frac;  /* of bf16's */
     int ok;
 } lresult;
 
@@ -1002,6 +1018,7 @@ static int bench_layer(fm_context *ctx, cudaStream_t s, const char *filter, lres
     fill_device(l.dy.data, FM_DTYPE_F32, (size_t)LB_T * LB_H);
     int n = 0;
     double bf16_ms = 0;
+    int64_t bf16_saved = 0;
     for (int r = 0; r < LB_ROWS; r++) {
         if (filter && !strstr(names[r], filter))
             continue;
@@ -1027,12 +1044,13 @@ static int bench_layer(fm_context *ctx, cudaStream_t s, const char *filter, lres
         CK(cudaGetLastError());
         fm_moe_layer_info info;
         if (l.layer && fm_moe_layer_get_info(l.layer, &info) == FM_OK)
-            o->workspace = info.workspace_bytes;
+            o->workspace = info.workspace_bytes, o->saved = info.saved_bytes;
         o->ms = ms;
         o->ok = !l.failed;
         if (r == FM_RECIPE_BF16 && o->ok)
-            bf16_ms = ms;
+            bf16_ms = ms, bf16_saved = o->saved;
         o->speedup = bf16_ms > 0 && o->ok && ms > 0 ? bf16_ms / ms : 0;
+        o->saved_frac = bf16_saved > 0 && o->ok ? (double)o->saved / (double)bf16_saved : 0;
         fprintf(stderr, "fm-bench: %-60s %8.2f ms\n", names[r], ms);
         if (l.layer)
             fm_moe_layer_destroy(l.layer);
@@ -1567,11 +1585,16 @@ int main(int argc, char **argv)
                 if (c->col)
                     a.qcol[k] = quant_desc(c, FM_LAYOUT_COLWISE, c->sl);
             } else {
-                /* Real codes and scales: quantize random data first. */
-                fm_tensor src = shaped(c, dalloc(numel * 2), FM_DTYPE_BF16);
-                fill_device(src.data, FM_DTYPE_BF16, (size_t)numel);
+                /* Real codes and scales: quantize random data first (the rows'
+                 * transpose: of the token rows, rows / BR_K of them). */
+                bcase ci_ = *c;
+                if (c->op == OP_TRANSPOSE_ROWS)
+                    ci_.rows = c->rows / BR_K;
+                const int64_t nin = ci_.E * ci_.rows * ci_.cols;
+                fm_tensor src = shaped(&ci_, dalloc(nin * 2), FM_DTYPE_BF16);
+                fill_device(src.data, FM_DTYPE_BF16, (size_t)nin);
                 fm_layout lay = c->row ? FM_LAYOUT_ROWWISE : FM_LAYOUT_COLWISE;
-                a.qrow[k] = quant_desc(c, lay, c->op == OP_SLC ? FM_SCALE_LAYOUT_COMPACT : c->sl);
+                a.qrow[k] = quant_desc(&ci_, lay, c->op == OP_SLC ? FM_SCALE_LAYOUT_COMPACT : c->sl);
                 fm_quant_config q0 = {0};
                 if (fm_quantize(ctx, &q0, &src, lay == FM_LAYOUT_ROWWISE ? &a.qrow[k] : NULL,
                                 lay == FM_LAYOUT_COLWISE ? &a.qrow[k] : NULL) != FM_OK) {
@@ -1605,6 +1628,16 @@ int main(int argc, char **argv)
                     a.out[k].scale = dalloc(fm_tensor_scale_nbytes(&a.out[k]));
                 }
             }
+        }
+        if (c->op == OP_TRANSPOSE_ROWS) {
+            const int64_t R = c->rows, T = c->rows / BR_K;
+            int32_t *h = malloc(sizeof(int32_t) * (size_t)R);
+            for (int64_t r = 0; r < R; r++)
+                h[r] = (int32_t)((r % T) * BR_K + r / T);
+            a.rmap = fm_tensor_2d(dalloc(R * 4), FM_DTYPE_I32, R, 1);
+            a.rmap.device = FM_DEVICE_CUDA;
+            CK(cudaMemcpy(a.rmap.data, h, sizeof(int32_t) * (size_t)R, cudaMemcpyHostToDevice));
+            free(h);
         }
         fm_stats s0, s1;
         fm_stats_get(ctx, &s0);
@@ -1642,6 +1675,8 @@ int main(int argc, char **argv)
                 free_t(&a.out[k]);
             }
         }
+        if (a.rmap.data)
+            cudaFree(a.rmap.data);
         if (!json) {
             fprintf(stderr, "fm-bench: %-60s %8.1f us\n", c->name, ms * 1e3);
         }
@@ -1701,9 +1736,11 @@ int main(int argc, char **argv)
         printf("  ],\n  \"layer_cases\": [\n");
         for (int i = 0; i < nlres; i++)
             printf("    {\"recipe\": \"%s\", \"row\": \"%s\", \"T\": %d, \"H\": %d, \"I\": %d, \"E\": %d, \"k\": %d, "
-                   "\"ms_per_step\": %.3f, \"speedup_vs_bf16\": %.3f, \"workspace_bytes\": %lld, \"ok\": %s}%s\n",
+                   "\"ms_per_step\": %.3f, \"speedup_vs_bf16\": %.3f, \"workspace_bytes\": %lld, "
+                   "\"saved_bytes\": %lld, \"saved_vs_bf16\": %.4f, \"ok\": %s}%s\n",
                    fm_recipe_name(lres[i].recipe), lres[i].label, LB_T, LB_H, LB_I, LB_E, LB_K, lres[i].ms, lres[i].speedup,
-                   (long long)lres[i].workspace, lres[i].ok ? "true" : "false", i + 1 < nlres ? "," : "");
+                   (long long)lres[i].workspace, (long long)lres[i].saved, lres[i].saved_frac,
+                   lres[i].ok ? "true" : "false", i + 1 < nlres ? "," : "");
         printf("  ]%s\n", ner ? "," : "");
         if (ner)
             print_ep(1, er, ner, ep_ranks, ep_tokens);
@@ -1743,11 +1780,12 @@ int main(int argc, char **argv)
         }
         if (nlres) {
             printf("\n| MoE layer forward + backward (T %d, H %d, I %d, E %d, k %d) | ms per step | speedup vs bf16 | "
-                   "workspace GB |\n|---|---:|---:|---:|\n",
+                   "workspace GB | saved for backward MB | of bf16's |\n|---|---:|---:|---:|---:|---:|\n",
                    LB_T, LB_H, LB_I, LB_E, LB_K);
             for (int i = 0; i < nlres; i++)
-                printf("| %s%s | %.2f | %.3fx | %.2f |\n", lres[i].label, lres[i].ok ? "" : " (ERROR)",
-                       lres[i].ms, lres[i].speedup, (double)lres[i].workspace / 1e9);
+                printf("| %s%s | %.2f | %.3fx | %.2f | %.1f | %.1f%% |\n", lres[i].label, lres[i].ok ? "" : " (ERROR)",
+                       lres[i].ms, lres[i].speedup, (double)lres[i].workspace / 1e9, (double)lres[i].saved / 1e6,
+                       100.0 * lres[i].saved_frac);
         }
         print_ep(0, er, ner, ep_ranks, ep_tokens);
         printf("\n%d target(s) missed\n", below);

@@ -12,6 +12,8 @@ fm_status fm_cpu_cast(fm_context *ctx, const fm_tensor *in, fm_tensor *out);
 fm_status fm_cpu_requantize(fm_context *ctx, const fm_requant_config *cfg, const fm_tensor *in, fm_tensor *out);
 fm_status fm_cpu_requantize_grouped(fm_context *ctx, const fm_requant_config *cfg, const fm_splits *splits,
                                     const fm_tensor *in, fm_tensor *out);
+fm_status fm_cpu_requantize_grouped_rows(fm_context *ctx, const fm_requant_config *cfg, const fm_splits *splits,
+                                         const fm_tensor *in, const fm_tensor *row_map, int topk, fm_tensor *out);
 fm_status fm_cpu_gemm(fm_context *ctx, const fm_gemm_config *cfg, const fm_tensor *a, const fm_tensor *b,
                       fm_tensor *d);
 fm_status fm_cpu_grouped_gemm(fm_context *ctx, const fm_gemm_config *cfg, const fm_splits *splits,

@@ -61,6 +61,7 @@ const fm_backend fm_cpu_backend = {
     /* .cast                 = */ fm_cpu_cast,
     /* .requantize           = */ fm_cpu_requantize,
     /* .requantize_grouped    = */ fm_cpu_requantize_grouped,
+    /* .requantize_grouped_rows = */ fm_cpu_requantize_grouped_rows,
     /* .gemm                  = */ fm_cpu_gemm,
     /* .grouped_gemm          = */ fm_cpu_grouped_gemm,
     /* .grouped_gemm_wgrad    = */ fm_cpu_grouped_gemm_wgrad,

@@ -232,6 +232,7 @@ static const fm_backend cuda_backend = {
     /* .cast                 = */ fm_cuda_cast,
     /* .requantize           = */ fm_cuda_requantize,
     /* .requantize_grouped    = */ fm_cuda_requantize_grouped,
+    /* .requantize_grouped_rows = */ fm_cuda_requantize_grouped_rows,
     /* .gemm                  = */ fm_cuda_gemm,
     /* .grouped_gemm          = */ fm_cuda_grouped_gemm,
     /* .grouped_gemm_wgrad    = */ fm_cuda_grouped_gemm_wgrad,

@@ -104,6 +104,12 @@ typedef struct rqparams {
     int64_t groups;
     int in_half, out_half;
     int vo_align, vo_cols;
+    /* fm_transpose_scaled_grouped_rows: row r of the grouped input is row
+     * rmap[r] / k of `in` when rmap[r] is in [0, nslots), else padding
+     * (zero codes, scale 1); NULL for every other op. */
+    const int32_t *rmap;
+    uint32_t nslots;
+    fm_fastdiv kdiv;
 } rqparams;
 
 /* ---- small device helpers ------------------------------------------------- */
@@ -306,7 +312,8 @@ FM_DI void rq_load_codes(const rqparams &p, uint32_t t, uint32_t (&cw)[8][rq_wor
 /* The tile's input scales: entry idx = tid + 256 h covers tile row idx & 127,
  * input block idx >> 7 of the tile. Raw bits now, exponents at the store,
  * so the loads of the next tile overlap the current one. */
-FM_DI void rq_load_scales_at(const rqparams &p, const rqtile &tile, uint32_t (&raw)[2], int *ok)
+FM_DI void rq_load_scales_at(const rqparams &p, const rqtile &tile, uint32_t (&raw)[2], int *ok,
+                             const int32_t *rm = nullptr)
 {
     const int nbt = RQT >> p.bi_shift;
     *ok = 0;
@@ -316,9 +323,23 @@ FM_DI void rq_load_scales_at(const rqparams &p, const rqtile &tile, uint32_t (&r
         const int64_t r = tile.r0 + row, c = tile.c0 + ((int64_t)b << p.bi_shift);
         raw[h] = 0;
         if (b < nbt && r < tile.R && c < p.C) {
-            const int64_t off =
-                rq_scale_off(p.in_mode, p.in_layout, p.R, p.C, p.nbi, p.bi_shift, tile.sin0, tile.srow + r, c);
-            raw[h] = p.in_e8 ? (uint32_t)((const uint8_t *)p.in_scale)[off] : ((const uint32_t *)p.in_scale)[off];
+            if (p.rmap) { /* compact scales of the token rows; padding has scale 1 */
+                int64_t t;
+                if (rm) {
+                    t = rm[row];
+                } else {
+                    const uint32_t m = (uint32_t)__ldg(p.rmap + tile.srow + r);
+                    t = m < p.nslots ? (int64_t)fm_fastdiv_div(p.kdiv, m) : -1;
+                }
+                const int64_t off = t * p.nbi + (c >> p.bi_shift);
+                raw[h] = t < 0    ? (p.in_e8 ? 127u : 0x3F800000u)
+                         : p.in_e8 ? (uint32_t)((const uint8_t *)p.in_scale)[off]
+                                   : ((const uint32_t *)p.in_scale)[off];
+            } else {
+                const int64_t off =
+                    rq_scale_off(p.in_mode, p.in_layout, p.R, p.C, p.nbi, p.bi_shift, tile.sin0, tile.srow + r, c);
+                raw[h] = p.in_e8 ? (uint32_t)((const uint8_t *)p.in_scale)[off] : ((const uint32_t *)p.in_scale)[off];
+            }
             *ok |= 1 << h;
         }
     }
@@ -828,11 +849,46 @@ FM_DI void rqf_cp16(uint8_t *dst, const uint8_t *src, bool in)
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(in ? 16 : 0) : "memory");
 }
 
+/* The rows' transpose: the token rows of tile tf's 128 rows (-1: padding,
+ * or past the matrix) into shared memory, by one thread of each 8 that fill a row,
+ * an iteration before the fill (slots: rq_fp8t_kernel), so that the fill's
+ * addresses do not wait on them; registers are full at 3 CTAs an SM. The
+ * next tile's input scales take the entries from there too. */
+FM_DI void rqf_rows_map(const rqparams &p, uint64_t tf, int32_t *rm)
+{
+    if (threadIdx.x & 7)
+        return;
+    const int row = threadIdx.x >> 3;
+    if (tf >= p.ntiles) {
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            rm[row + 32 * i] = -1;
+        return;
+    }
+    const rqtile tl = rq_tile<true>(p, (uint32_t)tf);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int64_t r = tl.r0 + row + 32 * i;
+        const uint32_t m = r < tl.R ? (uint32_t)__ldg(p.rmap + tl.srow + r) : 0xFFFFFFFFu;
+        rm[row + 32 * i] = m < p.nslots ? (int32_t)fm_fastdiv_div(p.kdiv, m) : -1;
+    }
+}
+
 template <int TI, bool G>
-FM_DI void rqf_fill_stage(const rqparams &p, uint32_t t, const rqtile &tl, uint8_t *stage)
+FM_DI void rqf_fill_stage(const rqparams &p, uint32_t t, const rqtile &tl, uint8_t *stage, const int32_t *rm)
 {
     const int tid = threadIdx.x;
-    if (p.vec_in16 && tl.r0 + RQT <= tl.R && tl.c0 + RQT <= p.C) {
+    if (G && p.rmap) {
+        /* the token rows (rq_run made sure of p.vec_in16); padding rows zero-filled */
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int id = tid + i * RQTHREADS, row = id >> 3, ch = id & 7;
+            const int64_t c = tl.c0 + 16 * ch;
+            const int64_t t = rm[row];
+            const bool in = t >= 0 && c < p.C;
+            rqf_cp16(stage + row * RQT + 16 * (ch ^ ((row >> 3) & 7)), in ? p.in + t * p.C + c : p.in, in);
+        }
+    } else if (p.vec_in16 && tl.r0 + RQT <= tl.R && tl.c0 + RQT <= p.C) {
         /* a whole tile: chunk ch of rows row + 32 i (swizzle bit 2 flips with i) */
         const int row = tid >> 3, ch = tid & 7;
         const uint8_t *src = tl.in + (tl.r0 + row) * p.C + tl.c0 + 16 * ch;
@@ -1038,6 +1094,12 @@ __global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqp
     if (tid < RQF_NLUT)
         flut[tid] = rqf_factor_bits(tid);
     /* Tiles t .. t + (S - 2) grid into stages 0 .. S - 2 (a cp.async group each, empty past the end). */
+    /* The rows' transpose: row-map entries by tile, three slots. Iteration j
+     * fills from slot j % 3, loads the next tile's scales through slot
+     * (j + 2) % 3 (that tile was the last iteration's fill) and writes the
+     * next fill's map into slot (j + 1) % 3, which nothing reads before the
+     * next iteration's first barrier. The prologue's stage i uses slot i + 1. */
+    __shared__ int32_t rm_s[3][RQT];
 #pragma unroll
     for (int i = 0; i < S - 1; i++) {
         const uint32_t ti = t + i * gridDim.x;
@@ -1045,16 +1107,23 @@ __global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqp
             const rqtile tl = rq_tile<G>(p, ti);
             if (tid == 0)
                 tl_s[i] = tl;
-            rqf_fill_stage<TI, G>(p, ti, tl, rqf_dyn + i * RQT * RQT);
+            if (G && p.rmap) { /* block-uniform */
+                rqf_rows_map(p, ti, rm_s[(i + 1) % 3]);
+                __syncthreads();
+            }
+            rqf_fill_stage<TI, G>(p, ti, tl, rqf_dyn + i * RQT * RQT, rm_s[(i + 1) % 3]);
             if (i == 0)
-                rq_load_scales_at(p, tl, raw, &ok);
+                rq_load_scales_at(p, tl, raw, &ok, G && p.rmap ? rm_s[1] : nullptr);
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     }
     __syncthreads();
     rqf_store_scales(p, pin_s[0], qs[0], raw, ok);
+    if (G && p.rmap) /* the first loop fill's, slot 0 (the loop's first barrier orders it) */
+        rqf_rows_map(p, (uint64_t)t + (uint64_t)(S - 1) * gridDim.x, rm_s[0]);
 
-    for (int buf = 0, slot = 0; t < p.ntiles; buf ^= 1) {
+    static_assert(!G || RQF_STAGES(G) == 3, "the rows' map slots assume 3 stages in the grouped kernel");
+    for (int buf = 0, slot = 0, ms = 0; t < p.ntiles; buf ^= 1, ms = ms == 2 ? 0 : ms + 1) {
         const int nslot = slot == S - 1 ? 0 : slot + 1, fslot = slot == 0 ? S - 1 : slot - 1;
         const uint32_t tn = t + gridDim.x;
         const uint64_t tf = (uint64_t)t + (uint64_t)(S - 1) * gridDim.x; /* the tile whose stage is filled now */
@@ -1066,13 +1135,13 @@ __global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqp
             const rqtile tl = rq_tile<G>(p, (uint32_t)tf);
             if (tid == 0)
                 tl_s[fslot] = tl;
-            rqf_fill_stage<TI, G>(p, (uint32_t)tf, tl, rqf_dyn + fslot * RQT * RQT);
+            rqf_fill_stage<TI, G>(p, (uint32_t)tf, tl, rqf_dyn + fslot * RQT * RQT, rm_s[ms]);
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
         if (tid < RQF_NQ)
             qs[buf ^ 1][tid] = RQ_EMPTY;
         if (more)
-            rq_load_scales_at(p, tl_s[nslot], raw, &ok);
+            rq_load_scales_at(p, tl_s[nslot], raw, &ok, G && p.rmap ? rm_s[ms == 0 ? 2 : ms - 1] : nullptr);
 
         /* the lane's 8 x 8 codes by columns: col[j][0] rows 0-3, col[j][1] rows 4-7 */
         uint32_t col[8][2];
@@ -1251,6 +1320,8 @@ __global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqp
         }
         if (more)
             rqf_store_scales(p, pin_s[buf ^ 1], qs[buf ^ 1], raw, ok);
+        if (G && p.rmap)
+            rqf_rows_map(p, tf + gridDim.x, rm_s[ms == 2 ? 0 : ms + 1]);
         __syncthreads();
 
         /* 3. coalesced stores of the transposed tile */
@@ -1828,11 +1899,16 @@ static cudaError_t rq_rows_launch(const rqparams &p, int64_t E, int ti, int to, 
 
 /* fm_transpose_scaled and fm_convert_scaled (sp NULL), and
  * fm_transpose_scaled_grouped: one kernel, per-matrix geometry from rq_tile. */
+/* rows: fm_transpose_scaled_grouped_rows's token rows (in is then their
+ * [R, N] view, the geometry of the grouped input), with row_map and topk. */
 static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_splits *sp, const fm_tensor *in,
-                        fm_tensor *out)
+                        fm_tensor *out, const fm_tensor *rows = NULL, const fm_tensor *row_map = NULL, int topk = 0)
 {
     const int tr = in->layout != out->layout;
-    const char *op = sp ? "fm_transpose_scaled_grouped" : tr ? "fm_transpose_scaled" : "fm_convert_scaled";
+    const char *op = rows ? "fm_transpose_scaled_grouped_rows"
+                     : sp ? "fm_transpose_scaled_grouped"
+                     : tr ? "fm_transpose_scaled"
+                          : "fm_convert_scaled";
     fm_cuda_device_guard guard;
     fm_status st = fm_cuda_enter(ctx, &guard, op);
     if (st)
@@ -1902,6 +1978,21 @@ static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_
     else
         p.vec_in = C % 8 == 0 && ia % 8 == 0;
     p.vec_in16 = in->dtype != FM_DTYPE_E2M1 && C % 16 == 0 && ia % 16 == 0;
+    int64_t nblocks = E * R * p.nbi; /* input scales the check reads */
+    if (rows) {
+        if (!p.vec_in16 || out->dtype == FM_DTYPE_E2M1) {
+            fm_cuda_leave(ctx, &guard, cudaSuccess, NULL);
+            return fm_error(ctx, FM_ERR_UNSUPPORTED,
+                            "%s: the CUDA kernel reads the token rows in 16-byte pieces into an FP8 output: N (%lld) "
+                            "must be a multiple of 16, in->data 16-byte aligned and out E4M3 or E5M2 (out is %s)",
+                            op, (long long)C, fm_dtype_name(out->dtype));
+        }
+        const int64_t T = rows->shape[0];
+        p.rmap = (const int32_t *)row_map->data;
+        p.nslots = (uint32_t)(T * topk);
+        p.kdiv = fm_fastdiv_make((uint32_t)topk);
+        nblocks = T * p.nbi; /* every scale of the token rows (compact) */
+    }
     /* Grouped: what the whole buffer allows; each group's tiles also need
      * their own row length and start aligned (rq_tile). */
     p.vo_align = out->dtype == FM_DTYPE_E2M1 ? 4 : 16;
@@ -1921,7 +2012,6 @@ static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_
     int owned = 0;
     /* Scratch: the check's result, then the group table. */
     const size_t check_bytes = 64, table_bytes = sp ? (size_t)(sp->groups + 1) * sizeof(rqgrp) : 0;
-    const int64_t nblocks = E * R * p.nbi;
     const int check = !exact128 && !p.in_e8 && nblocks > 0 && !cfg->trusted_pow2_scales;
     if (check || sp) {
         st = fm_cuda_scratch(ctx, check_bytes + table_bytes, &buf, &owned, op);
@@ -1954,6 +2044,11 @@ static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_
             }
             fm_cuda_leave(ctx, &guard, cudaSuccess, NULL);
             const long long i = (long long)~h.first_inv, per = (long long)(R * p.nbi);
+            if (rows)
+                return fm_error(ctx, FM_ERR_INVALID_ARG,
+                                "in->scale: the scale of row %lld, block %lld is %g, not a positive power of two; "
+                                "scaling-aware ops need POW2 scales",
+                                i / (long long)p.nbi, i % (long long)p.nbi, (double)fm_bits_f32(h.bits));
             long long e = i / per, r = (i % per) / (long long)p.nbi;
             /* Grouped: name the group and its row, as the CPU does. */
             for (int64_t g = 0; sp && g < sp->groups; g++) {
@@ -2038,4 +2133,13 @@ extern "C" fm_status fm_cuda_requantize_grouped(fm_context *ctx, const fm_requan
                                                 const fm_tensor *in, fm_tensor *out)
 {
     return rq_run(ctx, cfg, splits, in, out);
+}
+
+extern "C" fm_status fm_cuda_requantize_grouped_rows(fm_context *ctx, const fm_requant_config *cfg,
+                                                     const fm_splits *splits, const fm_tensor *in,
+                                                     const fm_tensor *row_map, int topk, fm_tensor *out)
+{
+    fm_tensor view = *in; /* the grouped input's geometry: R rows */
+    view.shape[0] = out->shape[0];
+    return rq_run(ctx, cfg, splits, &view, out, in, row_map, topk);
 }

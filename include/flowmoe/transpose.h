@@ -85,6 +85,21 @@ fm_status fm_convert_scaled(fm_context *ctx, const fm_requant_config *cfg, const
 fm_status fm_transpose_scaled_grouped(fm_context *ctx, const fm_requant_config *cfg, const fm_splits *splits,
                                       const fm_tensor *in, fm_tensor *out);
 
+/* fm_transpose_scaled_grouped of the rows fm_moe_permute would make, read
+ * straight from the tokens' rows: `in` is [T, N] row-wise FP8 (E4M3/E5M2,
+ * BLOCK_1x128 or MX32, COMPACT scales); row_map [R, 1] I32 (R = Σ splits,
+ * fm_moe_permute's row_map) names row r's source slot t·topk + j, so row r
+ * is in's row t, and an entry outside [0, T·topk) (-1: padding) is a row
+ * of zero codes with scale 1, as the permute pads. out is [R, N] as for
+ * fm_transpose_scaled_grouped, and bit for bit what
+ * fm_transpose_scaled_grouped(cfg, splits, permute(in)) gives, without
+ * the permuted copy in memory (so a layer can keep x as T rows instead of
+ * R = T·topk + padding for its weight gradient). Every F32 scale of `in`
+ * is checked, used or not, unless cfg->trusted_pow2_scales. CUDA needs N
+ * a multiple of 16 (FM_ERR_UNSUPPORTED otherwise). */
+fm_status fm_transpose_scaled_grouped_rows(fm_context *ctx, const fm_requant_config *cfg, const fm_splits *splits,
+                                           const fm_tensor *in, const fm_tensor *row_map, int topk, fm_tensor *out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -4,7 +4,9 @@
  * 1, 127, 128 and 129 rows, all rows in one group, and NaN blocks, and the
  * ROWMAX transpose into BLOCK_128x128 (one scale a tile); nothing
  * past the grouped layout is written; non-power-of-two scales are refused
- * alike. fm-xval runs a wider matrix; this is the short form. */
+ * alike. fm-xval runs a wider matrix; this is the short form. The same for
+ * fm_transpose_scaled_grouped_rows (the token rows read through a permute's
+ * row_map, padding and unrouted choices included). */
 #include <math.h>
 #include <stdint.h>
 
@@ -144,6 +146,112 @@ static void run_case(fm_context *cpu, fm_context *gpu, const int64_t *sizes, int
     free(x);
 }
 
+/* fm_transpose_scaled_grouped_rows: T tokens of N columns, k distinct
+ * experts of E each (a choice in 5 routed nowhere), padded to `pad` rows by
+ * the CPU permute, whose row_map both backends read. */
+static void run_rows_case(fm_context *cpu, fm_context *gpu, int64_t T, int64_t N, int64_t E, int k, int pad, fmt fi,
+                          fmt fo, fm_requant_rule rule, int nan_blocks, int bad_scale)
+{
+    char cs[200];
+    snprintf(cs, sizeof cs, "rows: %s %s -> %s %s rule %d T %lld N %lld E %lld k %d pad %d%s%s", fm_dtype_name(fi.dt),
+             fm_scale_mode_name(fi.m), fm_dtype_name(fo.dt), fm_scale_mode_name(fo.m), (int)rule, (long long)T,
+             (long long)N, (long long)E, k, pad, nan_blocks ? " NaN" : "", bad_scale ? " non-pow2 scale" : "");
+    const size_t n = (size_t)(T * N);
+    float *x = malloc(sizeof(float) * (n + 1));
+    for (size_t i = 0; i < n; i++)
+        x[i] = rnd() % 9 == 0 ? 0.0f
+                              : (float)ldexp((double)(int64_t)(rnd() % 2001 - 1000) / 1000.0, (int)(rnd() % 40) - 20);
+    fm_tensor in = fm_tensor_quant_2d(NULL, fi.dt, T, N, FM_LAYOUT_ROWWISE, fi.m, NULL, FM_SCALE_LAYOUT_COMPACT);
+    const size_t nid = (size_t)fm_tensor_nbytes(&in), nis = (size_t)fm_tensor_scale_nbytes(&in);
+    void *hid = malloc(nid + 1), *his = malloc(nis + 1);
+    in.data = hid;
+    in.scale = his;
+    fm_tensor xt = fm_tensor_2d(x, FM_DTYPE_F32, T, N);
+    GT_CHECK(fm_quantize(cpu, NULL, &xt, &in, NULL) == FM_OK, "%s: quantize: %s", cs, fm_last_error(cpu));
+    if (nan_blocks && nid > 0)
+        ((uint8_t *)hid)[rnd() % nid] = fm_elem_nan(fi.dt);
+    if (bad_scale && fi.m == FM_SCALE_BLOCK_1x128 && nis >= 4)
+        ((float *)his)[nis / 4 - 1] = 0.75f; /* the last token's, routed or not */
+
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(T * k + 1));
+    for (int64_t t = 0; t < T; t++)
+        for (int j = 0; j < k; j++) {
+            int32_t e;
+            int dup;
+            do {
+                e = rnd() % 5 == 0 ? -1 : (int32_t)(rnd() % (uint64_t)E);
+                dup = 0;
+                for (int i = 0; i < j && e >= 0; i++)
+                    dup |= ids[t * k + i] == e;
+            } while (dup);
+            ids[t * k + j] = e;
+        }
+    const int64_t Rmax = T * k + E * (pad - 1);
+    fm_tensor xp = fm_tensor_quant_2d(NULL, fi.dt, Rmax, N, FM_LAYOUT_ROWWISE, fi.m, NULL, FM_SCALE_LAYOUT_COMPACT);
+    xp.data = malloc((size_t)fm_tensor_nbytes(&xp) + 1);
+    xp.scale = malloc((size_t)fm_tensor_scale_nbytes(&xp) + 1);
+    int32_t *rm = malloc(sizeof(int32_t) * (size_t)(Rmax + 1)), *sr = malloc(sizeof(int32_t) * (size_t)(T * k + 1));
+    int64_t *spl = malloc(sizeof(int64_t) * (size_t)E), *hs = malloc(sizeof(int64_t) * (size_t)E);
+    fm_tensor tid = fm_tensor_2d(ids, FM_DTYPE_I32, T, k), trm = fm_tensor_2d(rm, FM_DTYPE_I32, Rmax, 1);
+    fm_tensor tsr = fm_tensor_2d(sr, FM_DTYPE_I32, T, k), tsp = fm_tensor_2d(spl, FM_DTYPE_I64, 1, E);
+    fm_permute_config pc = {pad};
+    GT_CHECK(fm_moe_permute(cpu, &pc, &in, &tid, NULL, &xp, &trm, &tsr, &tsp, NULL, hs) == FM_OK, "%s: permute: %s",
+             cs, fm_last_error(cpu));
+    int64_t R = 0;
+    for (int64_t e = 0; e < E; e++)
+        R += hs[e];
+    trm.shape[0] = R;
+    fm_splits sp = {.groups = E, .host = hs};
+
+    fm_tensor out = fm_tensor_quant_2d(NULL, fo.dt, R, N, FM_LAYOUT_COLWISE, fo.m, NULL, FM_SCALE_LAYOUT_COMPACT);
+    const size_t nod = (size_t)fm_tensor_nbytes(&out);
+    const size_t nos = (size_t)fm_tensor_grouped_scale_count(&out, &sp) * (fo.m == FM_SCALE_MX32 ? 1 : 4);
+    void *hod = malloc(nod + 1), *hos = malloc(nos + 1);
+    memset(hod, 0xA5, nod + 1);
+    memset(hos, 0xA5, nos + 1);
+    int64_t hbad = -1;
+    fm_tensor oh = out;
+    oh.data = hod;
+    oh.scale = hos;
+    fm_requant_config ch = {.rule = rule, .nonfinite_blocks = &hbad};
+    fm_status stc = fm_transpose_scaled_grouped_rows(cpu, &ch, &sp, &in, &trm, k, &oh);
+    char cmsg[768];
+    snprintf(cmsg, sizeof cmsg, "%s", fm_last_error(cpu));
+
+    const size_t guard = 64;
+    fm_tensor ind = in, od = out, rmd = trm;
+    ind.device = od.device = rmd.device = FM_DEVICE_CUDA;
+    ind.data = dev_copy(hid, nid, 0);
+    ind.scale = dev_copy(his, nis, 0);
+    rmd.data = dev_copy(rm, sizeof(int32_t) * (size_t)R, 0);
+    od.data = dev_copy(NULL, nod, guard);
+    od.scale = dev_copy(NULL, nos, guard);
+    int64_t *dbad = dev_copy(NULL, 8, 0);
+    fm_requant_config cd = {.rule = rule, .nonfinite_blocks = dbad};
+    fm_status stg = fm_transpose_scaled_grouped_rows(gpu, &cd, &sp, &ind, &rmd, k, &od);
+    char gmsg[768];
+    snprintf(gmsg, sizeof gmsg, "%s", fm_last_error(gpu));
+    GT_CHECK(fm_context_synchronize(gpu) == FM_OK, "%s: synchronize: %s", cs, fm_last_error(gpu));
+    GT_CHECK(stc == stg, "%s: cpu %s (%s), gpu %s (%s)", cs, fm_status_name(stc), cmsg, fm_status_name(stg), gmsg);
+    if (stc == FM_OK && stg == FM_OK) {
+        same_dev(hod, od.data, nod, guard, "codes", cs);
+        same_dev(hos, od.scale, nos, guard, "scales", cs);
+        same_dev(&hbad, dbad, 8, 0, "nonfinite_blocks", cs);
+    } else if (stc == FM_ERR_INVALID_ARG) {
+        GT_CHECK(!strcmp(cmsg, gmsg), "%s: cpu says '%s', gpu '%s'", cs, cmsg, gmsg);
+        same_dev(hod, od.data, nod, guard, "codes of a refused call", cs);
+        same_dev(hos, od.scale, nos, guard, "scales of a refused call", cs);
+    }
+    cudaFree(ind.data);
+    cudaFree(ind.scale);
+    cudaFree(rmd.data);
+    cudaFree(od.data);
+    cudaFree(od.scale);
+    cudaFree(dbad);
+    free(hid), free(his), free(hod), free(hos), free(x), free(ids), free(xp.data), free(xp.scale);
+    free(rm), free(sr), free(spl), free(hs);
+}
+
 int main(void)
 {
     const char *name = "test_cuda_transpose_scaled_grouped_bitexact_with_cpu";
@@ -200,6 +308,26 @@ int main(void)
     for (int k = 0; k < 2; k++)
         run_case(cpu, gpu, s_bad, 3, 256, fmts[k], fmts[k], FM_REQUANT_TIGHT, (fm_scale_layout)k,
                  FM_SCALE_LAYOUT_COMPACT, 0, 1);
+    /* The rows' transpose: FP8 outputs (what the CUDA kernel writes), the
+     * flow recipes' TIGHT and ROWMAX tile calls first. */
+    static const struct {
+        fmt i, o;
+        fm_requant_rule rule;
+    } rc[] = {
+        {{FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128}, {FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128}, FM_REQUANT_TIGHT},
+        {{FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128}, {FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128}, FM_REQUANT_ROWMAX},
+        {{FM_DTYPE_E5M2, FM_SCALE_BLOCK_1x128}, {FM_DTYPE_E5M2, FM_SCALE_BLOCK_1x128}, FM_REQUANT_ROWMAX},
+        {{FM_DTYPE_E4M3, FM_SCALE_MX32}, {FM_DTYPE_E4M3, FM_SCALE_MX32}, FM_REQUANT_MX_FLOOR},
+        {{FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128}, {FM_DTYPE_E5M2, FM_SCALE_MX32}, FM_REQUANT_TIGHT},
+    };
+    for (int i = 0; i < 15; i++) {
+        const int64_t E = 1 + i % 8;
+        const int k = 1 + i % 4 < E ? 1 + i % 4 : (int)E;
+        run_rows_case(cpu, gpu, 50 + 97 * (i % 5), i % 3 ? 256 : 7168 / 28 + 16, E, k, i % 2 ? 128 : 16, rc[i % 5].i,
+                      rc[i % 5].o, rc[i % 5].rule, i % 3 == 2, 0);
+    }
+    /* a non-power-of-two scale on the last token: refused alike, routed or not */
+    run_rows_case(cpu, gpu, 100, 256, 4, 2, 128, rc[0].i, rc[0].o, FM_REQUANT_TIGHT, 0, 1);
     fm_context_destroy(cpu);
     fm_context_destroy(gpu);
     return gt_finish(name);
