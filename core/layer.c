@@ -65,6 +65,14 @@ struct fm_moe_layer {
 
 static int is_fp8(fm_recipe r) { return r != FM_RECIPE_BF16; }
 static int is_flow(fm_recipe r) { return r == FM_RECIPE_FP8_FLOW || r == FM_RECIPE_FP8_FLOW_FP4; }
+/* fp8-flow keeps x for backward as its T token rows (the permute's input),
+ * not as the T·k + padding permuted rows: the weight gradient's column copy
+ * reads them through row_map (fm_transpose_scaled_grouped_rows), 212 MB
+ * less kept at T 4096, H 7168, k 8. (S12-8: that transpose took 283 us on
+ * H100 where the permuted rows' took 253, so dy, whose permuted rows the
+ * data gradient needs anyway, keeps the plain one.) The CUDA kernel reads
+ * rows in 16-byte pieces. */
+static int x_rows(const fm_moe_layer_config *c) { return c->recipe == FM_RECIPE_FP8_FLOW && c->hidden % 16 == 0; }
 
 const char *fm_recipe_name(fm_recipe r)
 {
@@ -745,7 +753,7 @@ static fm_status forward(fm_moe_layer *L, const fm_moe_weights *w, const fm_tens
         saved += tensor_total(&xcol);
     } else if (rc == FM_RECIPE_FP8_FLOW) {
         a_in = act8(L, &L->xp, R, H);
-        saved += tensor_total(&a_in);
+        saved += tensor_total(x_rows(c) ? &pin : &a_in); /* backward reads x's token rows, or these */
     } else {
         /* The GEMM eats the FP8 rows; backward keeps them in MXFP4. */
         fm_tensor x4 = act4(L, &L->xp4, R, H);
@@ -978,12 +986,20 @@ static fm_status backward(fm_moe_layer *L, const fm_moe_weights *w, const fm_ten
             (st = fm_moe_swiglu(ctx, &qc, &a_saved, &rprobs, &hq, NULL, NULL)) ||
             (st = fm_transpose_scaled_grouped(ctx, &rqw, &sp, &hq, &hcol)))
             return st;
-        if (rc == FM_RECIPE_FP8_FLOW_FP4) {
-            fm_tensor x4 = act4(L, &L->xp4, R, H);
-            if ((st = fm_convert_scaled(ctx, &rq, &x4, &xp)))
-                return st;
+        if (x_rows(c)) {
+            /* the forward's permute input: x's token rows, or the rows this rank received */
+            fm_tensor xrows = c->comm ? act8(L, &L->xr, Rr, H) : act8(L, &L->xin, T, H);
+            fm_tensor rmap = plain(L, &L->row_map, FM_DTYPE_I32, R, 1);
+            st = fm_transpose_scaled_grouped_rows(ctx, &rqw, &sp, &xrows, &rmap, c->topk, &xcol);
+        } else {
+            if (rc == FM_RECIPE_FP8_FLOW_FP4) {
+                fm_tensor x4 = act4(L, &L->xp4, R, H);
+                if ((st = fm_convert_scaled(ctx, &rq, &x4, &xp)))
+                    return st;
+            }
+            st = fm_transpose_scaled_grouped(ctx, &rqw, &sp, &xp, &xcol);
         }
-        if ((st = fm_transpose_scaled_grouped(ctx, &rqw, &sp, &xp, &xcol)) || (st = use_queue(L, 0, 0)))
+        if (st || (st = use_queue(L, 0, 0)))
             return st;
     }
 
