@@ -1145,6 +1145,102 @@ static void xv_transpose_scaled_grouped(xv_env *x, xv_counts *cnt)
     }
 }
 
+/* ---- op: transpose_scaled_grouped_rows --------------------------------------
+ * The grouped transpose of rows read through a row map: T token rows of an
+ * FP8 input of every kind, a random map over R rows (repeats, -1 and
+ * out-of-range entries: padding), ragged groups; FP8 outputs in every rule
+ * (what the CUDA kernel writes). Bit for bit, as transpose_scaled_grouped. */
+static int rqr_case(xv_env *x, int64_t T, int k, const int64_t *sizes, int64_t G, int64_t N, const xv_qcfg *ic,
+                    const xv_qcfg *oc, fm_requant_rule rule, int kind, const char *name)
+{
+    int res = 1;
+    int64_t R = 0;
+    for (int64_t g = 0; g < G; g++)
+        R += sizes[g];
+    const xv_shape si = {1, T, N, 2, 0}, so = {1, R, N, 2, 0};
+    xv_qout in, out;
+    xv_buf nonf = {0}, rm = {0};
+    memset(&in, 0, sizeof in);
+    memset(&out, 0, sizeof out);
+    fm_splits sp = {.groups = G, .host = sizes};
+    if (!rq_make_input(x, &in, &si, ic, FM_LAYOUT_ROWWISE, kind)) {
+        res = x->cuda_broken ? 1 : 2;
+        goto done;
+    }
+    if (!qout_setup(x, &out, &so, oc, FM_LAYOUT_COLWISE) || !buf_alloc(x, &rm, (size_t)(R > 0 ? R : 1) * 4))
+        goto done;
+    for (int64_t r = 0; r < R; r++) {
+        const int u = rndi(x, 0, 9);
+        ((int32_t *)rm.h)[r] = u == 0 ? -1 : u == 1 ? (int32_t)(T * k + rndi(x, 0, 5)) : (int32_t)rndi(x, 0, (int)(T * k - 1));
+    }
+    if (!buf_upload(x, &rm))
+        goto done;
+    int64_t ns = fm_tensor_grouped_scale_count(&out.th, &sp);
+    buf_free(&out.scale);
+    if (ns < 0 || !buf_alloc(x, &out.scale, (size_t)ns * (size_t)(fm_dtype_bits(out.th.scale_dtype) / 8)) ||
+        !buf_poison(x, &out.scale) || !buf_alloc(x, &nonf, 8) || !buf_poison(x, &nonf))
+        goto done;
+    out.th.scale = out.scale.h;
+    out.td.scale = out.scale.d;
+    fm_tensor mh = fm_tensor_2d(rm.h, FM_DTYPE_I32, R, 1), md = fm_tensor_2d(rm.d, FM_DTYPE_I32, R, 1);
+    md.device = FM_DEVICE_CUDA;
+    const int trust = rnd(x) & 1;
+    fm_requant_config ch = {.rule = rule, .nonfinite_blocks = nonf.h, .trusted_pow2_scales = trust};
+    fm_requant_config cd = {.rule = rule, .nonfinite_blocks = nonf.d, .trusted_pow2_scales = trust};
+    fm_status stc = fm_transpose_scaled_grouped_rows(x->cpu, &ch, &sp, &in.th, &mh, k, &out.th);
+    char cmsg[768];
+    snprintf(cmsg, sizeof cmsg, "%s", fm_last_error(x->cpu));
+    fm_status stg = fm_transpose_scaled_grouped_rows(x->gpu, &cd, &sp, &in.td, &md, k, &out.td);
+    if (stg == FM_OK && !cuda_ok(x, cudaDeviceSynchronize(), name))
+        stg = FM_ERR_BACKEND;
+    if ((res = status_verdict(x, name, stc, cmsg, stg)) >= 0)
+        goto done;
+    res = (buf_same(x, &out.data, "codes", name) & buf_same(x, &out.scale, "scales", name) &
+           buf_same(x, &nonf, "nonfinite_blocks", name))
+              ? 0
+              : 1;
+done:
+    qout_free(&in);
+    qout_free(&out);
+    buf_free(&nonf);
+    buf_free(&rm);
+    return res;
+}
+
+static void xv_transpose_scaled_grouped_rows(xv_env *x, xv_counts *cnt)
+{
+    static const int64_t Ns[] = {128, 272, 1024, 16, 7168};
+    for (int v = 0; v < 40 && !x->cuda_broken; v++) {
+        if (x->quick && v % 3)
+            continue;
+        const xv_rqfmt *a = &rq_fmts[v % 4], *b = &rq_fmts[(v / 4) % 4]; /* the FP8 formats */
+        const int tile = v % 5 == 4 && a->mode == FM_SCALE_BLOCK_1x128;
+        fm_requant_rule rule = tile ? FM_REQUANT_ROWMAX : FM_REQUANT_TIGHT;
+        if (!tile && v % 3 == 1 && a->elem == b->elem && a->mode == b->mode)
+            rule = FM_REQUANT_ROWMAX;
+        else if (!tile && v % 3 == 2 && b->mode == FM_SCALE_MX32)
+            rule = FM_REQUANT_MX_FLOOR;
+        const int64_t N = v % 10 == 9 ? Ns[4] : Ns[v % 4], T = rndi(x, 1, N > 1024 ? 300 : 700);
+        const int k = rndi(x, 1, 8);
+        int64_t sz[12];
+        const int64_t G = rndi(x, 1, 12);
+        for (int64_t g = 0; g < G; g++)
+            sz[g] = rnd(x) % 4 == 0 ? 0 : rndi(x, 1, N > 1024 ? 200 : 400);
+        xv_qcfg ic = {a->elem, a->mode, FM_SCALE_RULE_POW2, FM_SCALE_LAYOUT_COMPACT};
+        xv_qcfg oc = {tile ? a->elem : b->elem, tile ? FM_SCALE_BLOCK_128x128 : b->mode, FM_SCALE_RULE_POW2,
+                      v % 2 ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT};
+        int kind = v % RQ_KINDS;
+        char name[320];
+        int n = snprintf(name, sizeof name, "transpose_scaled_grouped_rows T=%lld k=%d N=%lld %s %s -> %s %s %s rule=%s "
+                         "kind=%s splits", (long long)T, k, (long long)N, fm_dtype_name(ic.elem),
+                         fm_scale_mode_name(ic.mode), fm_dtype_name(oc.elem), fm_scale_mode_name(oc.mode),
+                         fm_scale_layout_name(oc.sl), rq_rule_name[rule], rq_kind_name(kind));
+        for (int64_t g = 0; g < G && n < (int)sizeof name - 8; g++)
+            n += snprintf(name + n, sizeof name - (size_t)n, " %lld", (long long)sz[g]);
+        tally(x, cnt, rqr_case(x, T, k, sz, G, N, &ic, &oc, rule, kind, name), name);
+    }
+}
+
 /* ---- GEMMs: CUDA within the DESIGN.md tolerance of the CPU reference (see gm_compare) */
 
 /* Random FP8 operands, random F32 scales, random BF16/F32 values. FP8 data
@@ -2154,9 +2250,15 @@ static int ly_case(xv_env *x, const ly_shape *s, fm_recipe rc, int kind, const c
      * bounds failed 2 of those 16 runs, and 1 of 21 in S9). */
     const double rows = (double)T * s->k / (double)E;
     const double few = rc == FM_RECIPE_BF16 || rows >= 32 ? 1.0 : sqrt(32.0 / rows);
-    const double tol = (rc == FM_RECIPE_BF16 ? 5e-3 : rc == FM_RECIPE_FP8_FLOW_FP4 ? 4e-2 : 3e-2) * few;
+    const double tol0 = (rc == FM_RECIPE_BF16 ? 5e-3 : rc == FM_RECIPE_FP8_FLOW_FP4 ? 4e-2 : 3e-2) * few;
     for (int o = 0; o < 5; o++) {
         const int i = outs[o];
+        /* The router gradient of fp8-flow-fp4 with few rows: a sum over a
+         * handful of tokens of dprobs that each rest on MXFP4 codes (a flip
+         * moves a value up to 1/3). S12-11, T 7: 36 draws below 0.079, and
+         * S12-9 drew 0.186 (a zero-tokens case); held to 0.3, under the O(1)
+         * of a wrong expert or a lost scale. */
+        const double tol = i == LY_GR && rc == FM_RECIPE_FP8_FLOW_FP4 && few > 1.0 ? 0.3 : tol0;
         float *g = malloc((size_t)n[i] * 4);
         if (!g || !cuda_ok(x, cudaMemcpy(g, d[i], (size_t)n[i] * 4, cudaMemcpyDeviceToHost), "cudaMemcpy D2H")) {
             free(g);
@@ -2221,6 +2323,7 @@ static const struct {
     {"transpose_scaled", xv_transpose_scaled},
     {"convert_scaled", xv_convert_scaled},
     {"transpose_scaled_grouped", xv_transpose_scaled_grouped},
+    {"transpose_scaled_grouped_rows", xv_transpose_scaled_grouped_rows},
     {"gemm", xv_gemm},
     {"grouped_gemm", xv_grouped_gemm},
     {"grouped_gemm_wgrad", xv_grouped_gemm_wgrad},
