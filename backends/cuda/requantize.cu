@@ -850,10 +850,11 @@ FM_DI void rqf_cp16(uint8_t *dst, const uint8_t *src, bool in)
 }
 
 /* The rows' transpose: the token rows of tile tf's 128 rows (-1: padding,
- * or past the matrix) into shared memory, by one thread of each 8 that fill a row,
- * an iteration before the fill (slots: rq_fp8t_kernel), so that the fill's
- * addresses do not wait on them; registers are full at 3 CTAs an SM. The
- * next tile's input scales take the entries from there too. */
+ * or past the matrix) into shared memory, by one thread of each 8 that fill a
+ * row, an iteration before the fill (slots: rq_fp8t_kernel), so that the
+ * fill's addresses do not wait on them. The next tile's input scales take
+ * the entries from there too. This form (it finds the tile's place itself)
+ * serves the prologue. */
 FM_DI void rqf_rows_map(const rqparams &p, uint64_t tf, int32_t *rm)
 {
     if (threadIdx.x & 7)
@@ -872,6 +873,32 @@ FM_DI void rqf_rows_map(const rqparams &p, uint64_t tf, int32_t *rm)
         const uint32_t m = r < tl.R ? (uint32_t)__ldg(p.rmap + tl.srow + r) : 0xFFFFFFFFu;
         rm[row + 32 * i] = m < p.nslots ? (int32_t)fm_fastdiv_div(p.kdiv, m) : -1;
     }
+}
+
+/* The same in two halves around the store pass, the tile's place given:
+ * the map entries into registers, then the token rows into shared memory. */
+FM_DI void rqf_rows_fetch(const rqparams &p, uint64_t tf, const rqtile &tl, uint32_t (&m)[4])
+{
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        m[i] = 0xFFFFFFFFu;
+    if ((threadIdx.x & 7) || tf >= p.ntiles)
+        return;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int64_t r = tl.r0 + (threadIdx.x >> 3) + 32 * i;
+        if (r < tl.R)
+            m[i] = (uint32_t)__ldg(p.rmap + tl.srow + r);
+    }
+}
+
+FM_DI void rqf_rows_put(const rqparams &p, const uint32_t (&m)[4], int32_t *rm)
+{
+    if (threadIdx.x & 7)
+        return;
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        rm[(threadIdx.x >> 3) + 32 * i] = m[i] < p.nslots ? (int32_t)fm_fastdiv_div(p.kdiv, m[i]) : -1;
 }
 
 template <int TI, bool G>
@@ -1100,6 +1127,8 @@ __global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqp
      * next fill's map into slot (j + 1) % 3, which nothing reads before the
      * next iteration's first barrier. The prologue's stage i uses slot i + 1. */
     __shared__ int32_t rm_s[3][RQT];
+    /* and the place of the next fill's tile, by parity, worked out once (by thread 0, with the map) */
+    __shared__ rqtile tln_s[G ? 2 : 1];
 #pragma unroll
     for (int i = 0; i < S - 1; i++) {
         const uint32_t ti = t + i * gridDim.x;
@@ -1119,8 +1148,12 @@ __global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqp
     }
     __syncthreads();
     rqf_store_scales(p, pin_s[0], qs[0], raw, ok);
-    if (G && p.rmap) /* the first loop fill's, slot 0 (the loop's first barrier orders it) */
-        rqf_rows_map(p, (uint64_t)t + (uint64_t)(S - 1) * gridDim.x, rm_s[0]);
+    if (G && p.rmap) { /* the first loop fill's, slot 0 (the loop's first barrier orders it) */
+        const uint64_t tf0 = (uint64_t)t + (uint64_t)(S - 1) * gridDim.x;
+        rqf_rows_map(p, tf0, rm_s[0]);
+        if (tid == 0 && tf0 < p.ntiles)
+            tln_s[G ? 1 : 0] = rq_tile<G>(p, (uint32_t)tf0);
+    }
 
     static_assert(!G || RQF_STAGES(G) == 3, "the rows' map slots assume 3 stages in the grouped kernel");
     for (int buf = 0, slot = 0, ms = 0; t < p.ntiles; buf ^= 1, ms = ms == 2 ? 0 : ms + 1) {
@@ -1131,7 +1164,12 @@ __global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqp
         /* Tile t's stage complete and visible; every thread is past the last tile. */
         asm volatile("cp.async.wait_group %0;" ::"n"(S - 2) : "memory");
         __syncthreads();
-        if (tf < p.ntiles) {
+        if (tf < p.ntiles && G && p.rmap) { /* the place worked out last iteration, read where used */
+            const rqtile &tl = tln_s[G ? (buf ^ 1) : 0];
+            if (tid == 0)
+                tl_s[fslot] = tl;
+            rqf_fill_stage<TI, G>(p, (uint32_t)tf, tl, rqf_dyn + fslot * RQT * RQT, rm_s[ms]);
+        } else if (tf < p.ntiles) {
             const rqtile tl = rq_tile<G>(p, (uint32_t)tf);
             if (tid == 0)
                 tl_s[fslot] = tl;
@@ -1320,12 +1358,21 @@ __global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqp
         }
         if (more)
             rqf_store_scales(p, pin_s[buf ^ 1], qs[buf ^ 1], raw, ok);
-        if (G && p.rmap)
-            rqf_rows_map(p, tf + gridDim.x, rm_s[ms == 2 ? 0 : ms + 1]);
+        /* The rows' transpose: the next fill's tile place now (read after the
+         * barrier below and at the next iteration's top), its map entries in
+         * flight during the store pass, into shared memory after it. */
+        const uint64_t tfn = tf + gridDim.x;
+        if (G && p.rmap && tid == 0 && tfn < p.ntiles)
+            tln_s[G ? buf : 0] = rq_tile<G>(p, (uint32_t)tfn);
         __syncthreads();
+        uint32_t mv[4];
+        if (G && p.rmap)
+            rqf_rows_fetch(p, tfn, tln_s[G ? buf : 0], mv);
 
         /* 3. coalesced stores of the transposed tile */
         rqf_store_tile<TO>(p, tsm, tile);
+        if (G && p.rmap)
+            rqf_rows_put(p, mv, rm_s[ms == 2 ? 0 : ms + 1]);
 
         if (!more)
             break;
