@@ -68,9 +68,9 @@ static int is_flow(fm_recipe r) { return r == FM_RECIPE_FP8_FLOW || r == FM_RECI
 /* fp8-flow keeps x for backward as its T token rows (the permute's input),
  * not as the T·k + padding permuted rows: the weight gradient's column copy
  * reads them through row_map (fm_transpose_scaled_grouped_rows), 212 MB
- * less kept at T 4096, H 7168, k 8. (S12-8: that transpose took 283 us on
- * H100 where the permuted rows' took 253, so dy, whose permuted rows the
- * data gradient needs anyway, keeps the plain one.) The CUDA kernel reads
+ * less kept at T 4096, H 7168, k 8, in the time the permuted rows' takes
+ * (S12-12). dy keeps the plain transpose: the data gradient needs its
+ * permuted rows anyway, so there is nothing to save. The CUDA kernel reads
  * rows in 16-byte pieces. */
 static int x_rows(const fm_moe_layer_config *c) { return c->recipe == FM_RECIPE_FP8_FLOW && c->hidden % 16 == 0; }
 
