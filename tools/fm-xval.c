@@ -744,6 +744,20 @@ static void mark_real_entries(unsigned char *mark, int64_t per, fm_scale_mode m,
 }
 
 /* The quantized input: host and device copies of the same codes and scales. */
+/* A re-encoding case's verdict once both backends ran: status_verdict's
+ * when it settles it, else the codes, scales and nonfinite count bit for bit. */
+static int rq_verdict(xv_env *x, const char *name, fm_status stc, const char *cmsg, fm_status stg, xv_qout *out,
+                      xv_buf *nonf)
+{
+    int res = status_verdict(x, name, stc, cmsg, stg);
+    if (res >= 0)
+        return res;
+    return (buf_same(x, &out->data, "codes", name) & buf_same(x, &out->scale, "scales", name) &
+            buf_same(x, nonf, "nonfinite_blocks", name))
+               ? 0
+               : 1;
+}
+
 static int rq_make_input(xv_env *x, xv_qout *q, const xv_shape *s, const xv_qcfg *c, fm_layout lay, int kind)
 {
     if (!qout_setup(x, q, s, c, lay))
@@ -869,12 +883,7 @@ static int rq_case(xv_env *x, const xv_shape *s, int transpose, const xv_qcfg *i
         res = ok ? 0 : 1;
         goto done;
     }
-    if ((res = status_verdict(x, name, stc, cmsg, stg)) >= 0)
-        goto done;
-    res = (buf_same(x, &out.data, "codes", name) & buf_same(x, &out.scale, "scales", name) &
-           buf_same(x, &nonf, "nonfinite_blocks", name))
-              ? 0
-              : 1;
+    res = rq_verdict(x, name, stc, cmsg, stg, &out, &nonf);
 done:
     qout_free(&in);
     qout_free(&out);
@@ -990,6 +999,20 @@ static void xv_convert_scaled(xv_env *x, xv_counts *cnt) { rq_run(x, cnt, 0); }
  * compared bit for bit; odd E2M1 groups and non-power-of-two scales refused
  * alike. */
 
+/* A grouped transpose's output: the grouped scale array in place of the
+ * ungrouped one, poisoned, and the nonfinite count's buffer; 0 on failure. */
+static int grouped_out(xv_env *x, xv_qout *out, const fm_splits *sp, xv_buf *nonf)
+{
+    int64_t ns = fm_tensor_grouped_scale_count(&out->th, sp);
+    buf_free(&out->scale);
+    if (ns < 0 || !buf_alloc(x, &out->scale, (size_t)ns * (size_t)(fm_dtype_bits(out->th.scale_dtype) / 8)) ||
+        !buf_poison(x, &out->scale) || !buf_alloc(x, nonf, 8) || !buf_poison(x, nonf))
+        return 0;
+    out->th.scale = out->scale.h;
+    out->td.scale = out->scale.d;
+    return 1;
+}
+
 /* refuse: 0 a valid call, 1 plant a non-power-of-two scale, 2 splits the
  * op must refuse as they are; refusals must be alike and write nothing. */
 static int rqg_case(xv_env *x, const int64_t *sizes, int64_t G, int64_t N, const xv_qcfg *ic, const xv_qcfg *oc,
@@ -1018,14 +1041,8 @@ static int rqg_case(xv_env *x, const int64_t *sizes, int64_t G, int64_t N, const
     }
     if (!qout_setup(x, &out, &s, oc, FM_LAYOUT_COLWISE))
         goto done;
-    /* The grouped scale array replaces the ungrouped one. */
-    int64_t ns = fm_tensor_grouped_scale_count(&out.th, &sp);
-    buf_free(&out.scale);
-    if (ns < 0 || !buf_alloc(x, &out.scale, (size_t)ns * (size_t)(fm_dtype_bits(out.th.scale_dtype) / 8)) ||
-        !buf_poison(x, &out.scale) || !buf_alloc(x, &nonf, 8) || !buf_poison(x, &nonf))
+    if (!grouped_out(x, &out, &sp, &nonf))
         goto done;
-    out.th.scale = out.scale.h;
-    out.td.scale = out.scale.d;
     const int trust = !refuse && (rnd(x) & 1); /* as in rq_case */
     fm_requant_config ch = {.rule = rule, .nonfinite_blocks = nonf.h, .trusted_pow2_scales = trust};
     fm_requant_config cd = {.rule = rule, .nonfinite_blocks = nonf.d, .trusted_pow2_scales = trust};
@@ -1049,12 +1066,7 @@ static int rqg_case(xv_env *x, const int64_t *sizes, int64_t G, int64_t N, const
                   : 1;
         goto done;
     }
-    if ((res = status_verdict(x, name, stc, cmsg, stg)) >= 0)
-        goto done;
-    res = (buf_same(x, &out.data, "codes", name) & buf_same(x, &out.scale, "scales", name) &
-           buf_same(x, &nonf, "nonfinite_blocks", name))
-              ? 0
-              : 1;
+    res = rq_verdict(x, name, stc, cmsg, stg, &out, &nonf);
 done:
     qout_free(&in);
     qout_free(&out);
@@ -1175,13 +1187,8 @@ static int rqr_case(xv_env *x, int64_t T, int k, const int64_t *sizes, int64_t G
     }
     if (!buf_upload(x, &rm))
         goto done;
-    int64_t ns = fm_tensor_grouped_scale_count(&out.th, &sp);
-    buf_free(&out.scale);
-    if (ns < 0 || !buf_alloc(x, &out.scale, (size_t)ns * (size_t)(fm_dtype_bits(out.th.scale_dtype) / 8)) ||
-        !buf_poison(x, &out.scale) || !buf_alloc(x, &nonf, 8) || !buf_poison(x, &nonf))
+    if (!grouped_out(x, &out, &sp, &nonf))
         goto done;
-    out.th.scale = out.scale.h;
-    out.td.scale = out.scale.d;
     fm_tensor mh = fm_tensor_2d(rm.h, FM_DTYPE_I32, R, 1), md = fm_tensor_2d(rm.d, FM_DTYPE_I32, R, 1);
     md.device = FM_DEVICE_CUDA;
     const int trust = rnd(x) & 1;
@@ -1193,12 +1200,7 @@ static int rqr_case(xv_env *x, int64_t T, int k, const int64_t *sizes, int64_t G
     fm_status stg = fm_transpose_scaled_grouped_rows(x->gpu, &cd, &sp, &in.td, &md, k, &out.td);
     if (stg == FM_OK && !cuda_ok(x, cudaDeviceSynchronize(), name))
         stg = FM_ERR_BACKEND;
-    if ((res = status_verdict(x, name, stc, cmsg, stg)) >= 0)
-        goto done;
-    res = (buf_same(x, &out.data, "codes", name) & buf_same(x, &out.scale, "scales", name) &
-           buf_same(x, &nonf, "nonfinite_blocks", name))
-              ? 0
-              : 1;
+    res = rq_verdict(x, name, stc, cmsg, stg, &out, &nonf);
 done:
     qout_free(&in);
     qout_free(&out);

@@ -58,6 +58,27 @@ static void *dev_copy(const void *h, size_t n, size_t guard)
     return d;
 }
 
+/* After both backends ran a case: the same status, then the same bytes
+ * (codes, scales, nonfinite count), or for a refusal the same sentence and
+ * the device outputs untouched. gmsg was kept before synchronising, which
+ * clears the context's last error. */
+static void same_outcome(fm_context *gpu, const char *cs, fm_status stc, const char *cmsg, fm_status stg,
+                         const char *gmsg, const void *hod, const void *od, size_t nod, const void *hos,
+                         const void *os, size_t nos, size_t guard, const int64_t *hbad, const void *dbad)
+{
+    GT_CHECK(fm_context_synchronize(gpu) == FM_OK, "%s: synchronize: %s", cs, fm_last_error(gpu));
+    GT_CHECK(stc == stg, "%s: cpu %s (%s), gpu %s (%s)", cs, fm_status_name(stc), cmsg, fm_status_name(stg), gmsg);
+    if (stc == FM_OK && stg == FM_OK) {
+        same_dev(hod, od, nod, guard, "codes", cs);
+        same_dev(hos, os, nos, guard, "scales", cs);
+        same_dev(hbad, dbad, 8, 0, "nonfinite_blocks", cs);
+    } else if (stc == FM_ERR_INVALID_ARG) {
+        GT_CHECK(!strcmp(cmsg, gmsg), "%s: cpu says '%s', gpu '%s'", cs, cmsg, gmsg);
+        same_dev(hod, od, nod, guard, "codes of a refused call", cs);
+        same_dev(hos, os, nos, guard, "scales of a refused call", cs);
+    }
+}
+
 static void run_case(fm_context *cpu, fm_context *gpu, const int64_t *sizes, int64_t G, int64_t N, fmt fi, fmt fo,
                      fm_requant_rule rule, fm_scale_layout sli, fm_scale_layout slo, int nan_blocks, int bad_scale)
 {
@@ -119,21 +140,9 @@ static void run_case(fm_context *cpu, fm_context *gpu, const int64_t *sizes, int
     int64_t *dbad = dev_copy(NULL, 8, 0);
     fm_requant_config cd = {.rule = rule, .nonfinite_blocks = dbad};
     fm_status stg = fm_transpose_scaled_grouped(gpu, &cd, &sp, &ind, &od);
-    /* Kept before synchronising, which clears the context's last error. */
     char gmsg[768];
     snprintf(gmsg, sizeof gmsg, "%s", fm_last_error(gpu));
-    GT_CHECK(fm_context_synchronize(gpu) == FM_OK, "%s: synchronize: %s", cs, fm_last_error(gpu));
-    GT_CHECK(stc == stg, "%s: cpu %s (%s), gpu %s (%s)", cs, fm_status_name(stc), cmsg, fm_status_name(stg), gmsg);
-    if (stc == FM_OK && stg == FM_OK) {
-        same_dev(hod, od.data, nod, guard, "codes", cs);
-        same_dev(hos, od.scale, nos, guard, "scales", cs);
-        same_dev(&hbad, dbad, 8, 0, "nonfinite_blocks", cs);
-    } else if (stc == FM_ERR_INVALID_ARG) {
-        /* refused alike, with the same sentence, nothing written */
-        GT_CHECK(!strcmp(cmsg, gmsg), "%s: cpu says '%s', gpu '%s'", cs, cmsg, gmsg);
-        same_dev(hod, od.data, nod, guard, "codes of a refused call", cs);
-        same_dev(hos, od.scale, nos, guard, "scales of a refused call", cs);
-    }
+    same_outcome(gpu, cs, stc, cmsg, stg, gmsg, hod, od.data, nod, hos, od.scale, nos, guard, &hbad, dbad);
     cudaFree(ind.data);
     cudaFree(ind.scale);
     cudaFree(od.data);
@@ -231,17 +240,7 @@ static void run_rows_case(fm_context *cpu, fm_context *gpu, int64_t T, int64_t N
     fm_status stg = fm_transpose_scaled_grouped_rows(gpu, &cd, &sp, &ind, &rmd, k, &od);
     char gmsg[768];
     snprintf(gmsg, sizeof gmsg, "%s", fm_last_error(gpu));
-    GT_CHECK(fm_context_synchronize(gpu) == FM_OK, "%s: synchronize: %s", cs, fm_last_error(gpu));
-    GT_CHECK(stc == stg, "%s: cpu %s (%s), gpu %s (%s)", cs, fm_status_name(stc), cmsg, fm_status_name(stg), gmsg);
-    if (stc == FM_OK && stg == FM_OK) {
-        same_dev(hod, od.data, nod, guard, "codes", cs);
-        same_dev(hos, od.scale, nos, guard, "scales", cs);
-        same_dev(&hbad, dbad, 8, 0, "nonfinite_blocks", cs);
-    } else if (stc == FM_ERR_INVALID_ARG) {
-        GT_CHECK(!strcmp(cmsg, gmsg), "%s: cpu says '%s', gpu '%s'", cs, cmsg, gmsg);
-        same_dev(hod, od.data, nod, guard, "codes of a refused call", cs);
-        same_dev(hos, od.scale, nos, guard, "scales of a refused call", cs);
-    }
+    same_outcome(gpu, cs, stc, cmsg, stg, gmsg, hod, od.data, nod, hos, od.scale, nos, guard, &hbad, dbad);
     cudaFree(ind.data);
     cudaFree(ind.scale);
     cudaFree(rmd.data);
