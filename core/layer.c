@@ -99,7 +99,6 @@ int fm_recipe_parse(const char *name, fm_recipe *out)
 
 /* ---- sizes ---------------------------------------------------------------- */
 
-static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 static int pad_of(const fm_moe_layer_config *c)
@@ -132,9 +131,9 @@ static int64_t mat_bytes(fm_dtype dt, int64_t rows, int64_t cols) { return rows 
 static int64_t row_scale_bytes(fm_scale_mode m, int64_t rows, int64_t cols)
 {
     if (m == FM_SCALE_MX32)
-        return rows * cdiv(cols, 32);
+        return rows * fm_cdiv(cols, 32);
     if (m == FM_SCALE_BLOCK_1x128)
-        return rows * cdiv(cols, 128) * 4;
+        return rows * fm_cdiv(cols, 128) * 4;
     return 0;
 }
 
@@ -145,9 +144,9 @@ static int64_t gcol_scale_bytes(fm_scale_mode m, int64_t rows, int64_t cols, int
 {
     if (m == FM_SCALE_MX32)
         return cols * (rows / 32 + groups);
-    int64_t b1 = ((cols + 3) & ~(int64_t)3) * (rows / 128 + groups);
-    int64_t b128 = cdiv(cols, 128) * (rows / 128 + 4 * groups);
-    return 4 * (b1 > b128 ? b1 : b128);
+    int64_t b1 = fm_round_up(cols, 4) * (rows / 128 + groups);
+    int64_t b128 = fm_cdiv(cols, 128) * (rows / 128 + 4 * groups);
+    return 4 * max64(b1, b128);
 }
 
 typedef struct planner {
@@ -226,10 +225,10 @@ static void plan(fm_moe_layer *L, planner *p)
         L->w2t = take_q(p, B, FM_SCALE_NONE, E * I, H);
     } else {
         /* GEMM-layout 128x128 scales, in either orientation (q3) */
-        int64_t b1 = E * 4 * max64(cdiv(2 * I, 128) * ((cdiv(H, 128) + 3) & ~(int64_t)3),
-                                   cdiv(H, 128) * ((cdiv(2 * I, 128) + 3) & ~(int64_t)3));
-        int64_t b2 = E * 4 * max64(cdiv(H, 128) * ((cdiv(I, 128) + 3) & ~(int64_t)3),
-                                   cdiv(I, 128) * ((cdiv(H, 128) + 3) & ~(int64_t)3));
+        const fm_scale_mode W = FM_SCALE_BLOCK_128x128;
+        const fm_scale_layout G = FM_SCALE_LAYOUT_GEMM;
+        int64_t b1 = E * 4 * max64(fm_scale_count_2d(W, G, 2 * I, H), fm_scale_count_2d(W, G, H, 2 * I));
+        int64_t b2 = E * 4 * max64(fm_scale_count_2d(W, G, H, I), fm_scale_count_2d(W, G, I, H));
         L->w1.d = take(p, E * 2 * I * H), L->w1.s = take(p, b1);
         L->w1t.d = take(p, E * 2 * I * H), L->w1t.s = take(p, b1);
         L->w2.d = take(p, E * H * I), L->w2.s = take(p, b2);

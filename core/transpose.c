@@ -168,6 +168,15 @@ fm_status fm_convert_scaled(fm_context *ctx, const fm_requant_config *cfg, const
     return requant(ctx, cfg, in, out, 0);
 }
 
+/* A grouped transpose done: not a cast (like fm_transpose_scaled); its bytes. */
+static void count_grouped(fm_context *ctx, int64_t read, const fm_tensor *out, const fm_splits *splits)
+{
+    ctx->stats.calls[FM_OP_TRANSPOSE_SCALED_GROUPED]++;
+    ctx->stats.op_calls++;
+    ctx->stats.bytes_read += read;
+    ctx->stats.bytes_written += fm_tensor_nbytes(out) + out_scale_nbytes(out, splits);
+}
+
 fm_status fm_transpose_scaled_grouped(fm_context *ctx, const fm_requant_config *cfg_in, const fm_splits *splits,
                                       const fm_tensor *in, fm_tensor *out)
 {
@@ -186,11 +195,7 @@ fm_status fm_transpose_scaled_grouped(fm_context *ctx, const fm_requant_config *
                         "fm_transpose_scaled_grouped: the %s backend does not implement it yet", ctx->be->name);
     if ((st = ctx->be->requantize_grouped(ctx, &cfg, splits, in, out)))
         return st;
-    /* Not a cast, like fm_transpose_scaled. */
-    ctx->stats.calls[FM_OP_TRANSPOSE_SCALED_GROUPED]++;
-    ctx->stats.op_calls++;
-    ctx->stats.bytes_read += fm_tensor_nbytes(in) + fm_tensor_scale_nbytes(in);
-    ctx->stats.bytes_written += fm_tensor_nbytes(out) + out_scale_nbytes(out, splits);
+    count_grouped(ctx, fm_tensor_nbytes(in) + fm_tensor_scale_nbytes(in), out, splits);
     return FM_OK;
 }
 
@@ -235,10 +240,7 @@ fm_status fm_transpose_scaled_grouped_rows(fm_context *ctx, const fm_requant_con
                         "fm_transpose_scaled_grouped_rows: the %s backend does not implement it yet", ctx->be->name);
     if ((st = ctx->be->requantize_grouped_rows(ctx, &cfg, splits, in, row_map, topk, out)))
         return st;
-    /* Not a cast; in's rows counted once, like every op's input. */
-    ctx->stats.calls[FM_OP_TRANSPOSE_SCALED_GROUPED]++;
-    ctx->stats.op_calls++;
-    ctx->stats.bytes_read += fm_tensor_nbytes(in) + fm_tensor_scale_nbytes(in) + fm_tensor_nbytes(row_map);
-    ctx->stats.bytes_written += fm_tensor_nbytes(out) + out_scale_nbytes(out, splits);
+    /* in's rows counted once, like every op's input */
+    count_grouped(ctx, fm_tensor_nbytes(in) + fm_tensor_scale_nbytes(in) + fm_tensor_nbytes(row_map), out, splits);
     return FM_OK;
 }

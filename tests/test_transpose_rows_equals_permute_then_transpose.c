@@ -6,6 +6,7 @@
  * tokens routed nowhere, empty experts, nasty data; nothing outside the
  * output is written. Refusals: a non-power-of-two scale on a row no expert
  * reads, topk 0, a row_map of the wrong type or length. */
+#include "routing_ids.h"
 #include "test_util.h"
 
 typedef struct {
@@ -52,20 +53,8 @@ static void check_case(fm_context *ctx, int64_t T, int64_t N, int64_t E, int k, 
     fm_tensor tx = fm_tensor_2d(x, FM_DTYPE_F32, T, N);
     CHECK(fm_quantize(ctx, NULL, &tx, &xin.t, NULL) == FM_OK, "%s: quantize: %s", cs, fm_last_error(ctx));
 
-    /* distinct experts per token, a choice in 5 routed nowhere */
     int32_t *ids = malloc(sizeof(int32_t) * (size_t)(T * k + 1));
-    for (int64_t t = 0; t < T; t++)
-        for (int j = 0; j < k; j++) {
-            int32_t e;
-            int dup;
-            do {
-                e = tu_randint(0, 4) == 0 ? -1 : (int32_t)tu_randint(0, E - 1);
-                dup = 0;
-                for (int i = 0; i < j && e >= 0; i++)
-                    dup |= ids[t * k + i] == e;
-            } while (dup);
-            ids[t * k + j] = e;
-        }
+    random_routing(ids, T, k, E, tu_rand);
     const int64_t Rmax = T * k + E * (pad - 1);
     qt xp = qt_new(fi.dt, fi.m, FM_LAYOUT_ROWWISE, Rmax, N);
     int32_t *rm = malloc(sizeof(int32_t) * (size_t)(Rmax + 1)), *sr = malloc(sizeof(int32_t) * (size_t)(T * k + 1));

@@ -240,10 +240,11 @@ extern "C" int fm_cuda_gemm_skinny_kind(const fm_tensor *a, const fm_tensor *b, 
     if (a->dtype != FM_DTYPE_F32 || b->dtype != FM_DTYPE_F32 || d->dtype != FM_DTYPE_F32 || M == 0 || N == 0 ||
         K == 0 || K >= ((int64_t)1 << 40))
         return 0;
+    /* grids of M / 32 and N / 32 CTAs stay below the 2^31 - 1 limit */
     if (N <= SK_MAX && a->layout == FM_LAYOUT_ROWWISE && b->layout == FM_LAYOUT_ROWWISE &&
-        M < ((int64_t)1 << 36))
+        M < ((int64_t)1 << 35))
         return 1;
-    if (M <= SK_MAX && b->layout == FM_LAYOUT_COLWISE && N < ((int64_t)1 << 36))
+    if (M <= SK_MAX && b->layout == FM_LAYOUT_COLWISE && N < ((int64_t)1 << 35))
         return 2;
     return 0;
 }

@@ -311,7 +311,8 @@ FM_DI void rq_load_codes(const rqparams &p, uint32_t t, uint32_t (&cw)[8][rq_wor
 
 /* The tile's input scales: entry idx = tid + 256 h covers tile row idx & 127,
  * input block idx >> 7 of the tile. Raw bits now, exponents at the store,
- * so the loads of the next tile overlap the current one. */
+ * so the loads of the next tile overlap the current one. rm: the tile's
+ * token rows (rqf_rows_put) for the rows' transpose, else NULL. */
 FM_DI void rq_load_scales_at(const rqparams &p, const rqtile &tile, uint32_t (&raw)[2], int *ok,
                              const int32_t *rm = nullptr)
 {
@@ -323,15 +324,8 @@ FM_DI void rq_load_scales_at(const rqparams &p, const rqtile &tile, uint32_t (&r
         const int64_t r = tile.r0 + row, c = tile.c0 + ((int64_t)b << p.bi_shift);
         raw[h] = 0;
         if (b < nbt && r < tile.R && c < p.C) {
-            if (p.rmap) { /* compact scales of the token rows; padding has scale 1 */
-                int64_t t;
-                if (rm) {
-                    t = rm[row];
-                } else {
-                    const uint32_t m = (uint32_t)__ldg(p.rmap + tile.srow + r);
-                    t = m < p.nslots ? (int64_t)fm_fastdiv_div(p.kdiv, m) : -1;
-                }
-                const int64_t off = t * p.nbi + (c >> p.bi_shift);
+            if (rm) { /* the rows' transpose: compact scales of the token rows; padding has scale 1 */
+                const int64_t t = rm[row], off = t * p.nbi + (c >> p.bi_shift);
                 raw[h] = t < 0    ? (p.in_e8 ? 127u : 0x3F800000u)
                          : p.in_e8 ? (uint32_t)((const uint8_t *)p.in_scale)[off]
                                    : ((const uint32_t *)p.in_scale)[off];
@@ -850,33 +844,11 @@ FM_DI void rqf_cp16(uint8_t *dst, const uint8_t *src, bool in)
 }
 
 /* The rows' transpose: the token rows of tile tf's 128 rows (-1: padding,
- * or past the matrix) into shared memory, by one thread of each 8 that fill a
- * row, an iteration before the fill (slots: rq_fp8t_kernel), so that the
- * fill's addresses do not wait on them. The next tile's input scales take
- * the entries from there too. This form (it finds the tile's place itself)
- * serves the prologue. */
-FM_DI void rqf_rows_map(const rqparams &p, uint64_t tf, int32_t *rm)
-{
-    if (threadIdx.x & 7)
-        return;
-    const int row = threadIdx.x >> 3;
-    if (tf >= p.ntiles) {
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-            rm[row + 32 * i] = -1;
-        return;
-    }
-    const rqtile tl = rq_tile<true>(p, (uint32_t)tf);
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const int64_t r = tl.r0 + row + 32 * i;
-        const uint32_t m = r < tl.R ? (uint32_t)__ldg(p.rmap + tl.srow + r) : 0xFFFFFFFFu;
-        rm[row + 32 * i] = m < p.nslots ? (int32_t)fm_fastdiv_div(p.kdiv, m) : -1;
-    }
-}
-
-/* The same in two halves around the store pass, the tile's place given:
- * the map entries into registers, then the token rows into shared memory. */
+ * or past the matrix) go into shared memory, by one thread of each 8 that
+ * fill a row, an iteration before the fill (slots: rq_fp8t_kernel), so that
+ * the fill's addresses do not wait on them; the next tile's input scales
+ * take them from there too. In two halves around the store pass: the map
+ * entries into registers (tl: tile tf's place), then the token rows. */
 FM_DI void rqf_rows_fetch(const rqparams &p, uint64_t tf, const rqtile &tl, uint32_t (&m)[4])
 {
 #pragma unroll
@@ -899,6 +871,14 @@ FM_DI void rqf_rows_put(const rqparams &p, const uint32_t (&m)[4], int32_t *rm)
 #pragma unroll
     for (int i = 0; i < 4; i++)
         rm[(threadIdx.x >> 3) + 32 * i] = m[i] < p.nslots ? (int32_t)fm_fastdiv_div(p.kdiv, m[i]) : -1;
+}
+
+/* Both halves at once, the place found here (the prologue). */
+FM_DI void rqf_rows_map(const rqparams &p, uint64_t tf, int32_t *rm)
+{
+    uint32_t m[4];
+    rqf_rows_fetch(p, tf, tf < p.ntiles ? rq_tile<true>(p, (uint32_t)tf) : rqtile{}, m);
+    rqf_rows_put(p, m, rm);
 }
 
 template <int TI, bool G>

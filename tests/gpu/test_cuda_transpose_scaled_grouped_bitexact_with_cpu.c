@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "gpu_test.h"
+#include "../routing_ids.h"
 
 static uint64_t rng = 777;
 static uint64_t rnd(void)
@@ -56,6 +57,28 @@ static void *dev_copy(const void *h, size_t n, size_t guard)
     if (n && h)
         GT_CUDA(cudaMemcpy(d, h, n, cudaMemcpyHostToDevice));
     return d;
+}
+
+/* A grouped column-wise output: the descriptor t, and h, the same over host
+ * buffers of its codes (nd bytes) and grouped scale array (ns bytes) filled
+ * with the 0xA5 that same_dev checks the device's guard bytes against. */
+typedef struct {
+    fm_tensor t, h;
+    size_t nd, ns;
+} gout;
+
+static gout gout_new(fmt fo, int64_t rows, int64_t N, fm_scale_layout sl, const fm_splits *sp)
+{
+    gout g;
+    g.t = fm_tensor_quant_2d(NULL, fo.dt, rows, N, FM_LAYOUT_COLWISE, fo.m, NULL, sl);
+    g.nd = (size_t)fm_tensor_nbytes(&g.t);
+    g.ns = (size_t)fm_tensor_grouped_scale_count(&g.t, sp) * (fo.m == FM_SCALE_MX32 ? 1 : 4);
+    g.h = g.t;
+    g.h.data = malloc(g.nd + 1);
+    g.h.scale = malloc(g.ns + 1);
+    memset(g.h.data, 0xA5, g.nd + 1);
+    memset(g.h.scale, 0xA5, g.ns + 1);
+    return g;
 }
 
 /* After both backends ran a case: the same status, then the same bytes
@@ -115,18 +138,13 @@ static void run_case(fm_context *cpu, fm_context *gpu, const int64_t *sizes, int
         ((float *)his)[rnd() % (nis / 4)] = 0.75f;
 
     fm_splits sp = {.groups = G, .host = sizes};
-    fm_tensor out = fm_tensor_quant_2d(NULL, fo.dt, rows, N, FM_LAYOUT_COLWISE, fo.m, NULL, slo);
-    size_t nod = (size_t)fm_tensor_nbytes(&out);
-    size_t nos = (size_t)fm_tensor_grouped_scale_count(&out, &sp) * (fo.m == FM_SCALE_MX32 ? 1 : 4);
-    void *hod = malloc(nod + 1), *hos = malloc(nos + 1);
-    memset(hod, 0xA5, nod + 1);
-    memset(hos, 0xA5, nos + 1);
+    gout o = gout_new(fo, rows, N, slo, &sp);
+    fm_tensor out = o.t;
+    const size_t nod = o.nd, nos = o.ns;
+    void *hod = o.h.data, *hos = o.h.scale;
     int64_t hbad = -1;
-    fm_tensor oh = out;
-    oh.data = hod;
-    oh.scale = hos;
     fm_requant_config ch = {.rule = rule, .nonfinite_blocks = &hbad};
-    fm_status stc = fm_transpose_scaled_grouped(cpu, &ch, &sp, &in, &oh);
+    fm_status stc = fm_transpose_scaled_grouped(cpu, &ch, &sp, &in, &o.h);
     char cmsg[768];
     snprintf(cmsg, sizeof cmsg, "%s", fm_last_error(cpu));
 
@@ -183,18 +201,7 @@ static void run_rows_case(fm_context *cpu, fm_context *gpu, int64_t T, int64_t N
         ((float *)his)[nis / 4 - 1] = 0.75f; /* the last token's, routed or not */
 
     int32_t *ids = malloc(sizeof(int32_t) * (size_t)(T * k + 1));
-    for (int64_t t = 0; t < T; t++)
-        for (int j = 0; j < k; j++) {
-            int32_t e;
-            int dup;
-            do {
-                e = rnd() % 5 == 0 ? -1 : (int32_t)(rnd() % (uint64_t)E);
-                dup = 0;
-                for (int i = 0; i < j && e >= 0; i++)
-                    dup |= ids[t * k + i] == e;
-            } while (dup);
-            ids[t * k + j] = e;
-        }
+    random_routing(ids, T, k, E, rnd);
     const int64_t Rmax = T * k + E * (pad - 1);
     fm_tensor xp = fm_tensor_quant_2d(NULL, fi.dt, Rmax, N, FM_LAYOUT_ROWWISE, fi.m, NULL, FM_SCALE_LAYOUT_COMPACT);
     xp.data = malloc((size_t)fm_tensor_nbytes(&xp) + 1);
@@ -212,18 +219,13 @@ static void run_rows_case(fm_context *cpu, fm_context *gpu, int64_t T, int64_t N
     trm.shape[0] = R;
     fm_splits sp = {.groups = E, .host = hs};
 
-    fm_tensor out = fm_tensor_quant_2d(NULL, fo.dt, R, N, FM_LAYOUT_COLWISE, fo.m, NULL, FM_SCALE_LAYOUT_COMPACT);
-    const size_t nod = (size_t)fm_tensor_nbytes(&out);
-    const size_t nos = (size_t)fm_tensor_grouped_scale_count(&out, &sp) * (fo.m == FM_SCALE_MX32 ? 1 : 4);
-    void *hod = malloc(nod + 1), *hos = malloc(nos + 1);
-    memset(hod, 0xA5, nod + 1);
-    memset(hos, 0xA5, nos + 1);
+    gout o = gout_new(fo, R, N, FM_SCALE_LAYOUT_COMPACT, &sp);
+    fm_tensor out = o.t;
+    const size_t nod = o.nd, nos = o.ns;
+    void *hod = o.h.data, *hos = o.h.scale;
     int64_t hbad = -1;
-    fm_tensor oh = out;
-    oh.data = hod;
-    oh.scale = hos;
     fm_requant_config ch = {.rule = rule, .nonfinite_blocks = &hbad};
-    fm_status stc = fm_transpose_scaled_grouped_rows(cpu, &ch, &sp, &in, &trm, k, &oh);
+    fm_status stc = fm_transpose_scaled_grouped_rows(cpu, &ch, &sp, &in, &trm, k, &o.h);
     char cmsg[768];
     snprintf(cmsg, sizeof cmsg, "%s", fm_last_error(cpu));
 
