@@ -2,7 +2,10 @@
  * scales, amax, non-finite count, dequantized values (every mode and element
  * dtype, row-wise and column-wise in one call, partial blocks, several
  * experts, NaN and Inf blocks). fm-xval runs the full matrix; this is the
- * short form every GPU test run includes. */
+ * short form every GPU test run includes. The last shapes have more 128 x 128
+ * tiles than the GPU holds CTAs at once, whole and partial ones mixed, from
+ * every input dtype: a CTA then walks several tiles with the next one's input
+ * in flight, and each output alone (one-output kernels) must match too. */
 #include <math.h>
 #include <stdint.h>
 
@@ -78,7 +81,10 @@ int main(void)
     fm_context *g = gt_cuda_context(name), *c = gt_cpu_context();
     struct {
         int64_t E, R, C;
-    } shapes[] = {{1, 300, 520}, {3, 130, 256}, {1, 256, 7168}};
+        fm_dtype in;
+    } shapes[] = {{1, 300, 520, FM_DTYPE_BF16},    {3, 130, 256, FM_DTYPE_BF16},  {1, 256, 7168, FM_DTYPE_BF16},
+                  {9, 1100, 1040, FM_DTYPE_BF16},  {1, 8200, 2056, FM_DTYPE_F16}, {1, 8200, 2056, FM_DTYPE_F32},
+                  {1, 4096, 4096, FM_DTYPE_BF16}};
     struct {
         fm_dtype el;
         fm_scale_mode m;
@@ -91,18 +97,32 @@ int main(void)
         for (size_t ci = 0; ci < sizeof cfgs / sizeof cfgs[0]; ci++)
             for (int sl = 0; sl < 2; sl++) {
                 int64_t n = shapes[si].E * shapes[si].R * shapes[si].C;
-                uint16_t *hin = malloc((size_t)n * 2);
+                const fm_dtype it = shapes[si].in;
+                const size_t eb = it == FM_DTYPE_F32 ? 4 : 2;
+                void *hin = malloc((size_t)n * eb);
                 for (int64_t i = 0; i < n; i++) {
-                    double v = ldexp((double)(rnd() % 1000) / 500.0 - 1.0, (int)(rnd() % 40) - 20);
-                    hin[i] = fm_bf16_from_f32((float)v);
+                    /* F16's range is narrower: its inputs keep to it */
+                    int sh = it == FM_DTYPE_F16 ? (int)(rnd() % 30) - 14 : (int)(rnd() % 40) - 20;
+                    float v = (float)ldexp((double)(rnd() % 1000) / 500.0 - 1.0, sh);
+                    if (it == FM_DTYPE_F32)
+                        ((float *)hin)[i] = v;
+                    else
+                        ((uint16_t *)hin)[i] = it == FM_DTYPE_BF16 ? fm_bf16_from_f32(v) : fm_f16_from_f32(v);
                 }
-                hin[rnd() % n] = 0x7FC1;  /* a NaN */
-                hin[rnd() % n] = 0xFF80;  /* -Inf */
+                for (int q = 0; q < 2; q++) { /* a NaN and a -Inf */
+                    int64_t i = (int64_t)(rnd() % (uint64_t)n);
+                    if (it == FM_DTYPE_F32)
+                        ((float *)hin)[i] = q ? -INFINITY : NAN;
+                    else if (it == FM_DTYPE_BF16)
+                        ((uint16_t *)hin)[i] = q ? 0xFF80 : 0x7FC1;
+                    else
+                        ((uint16_t *)hin)[i] = q ? 0xFC00 : 0x7E01;
+                }
                 void *din;
-                GT_CUDA(cudaMalloc(&din, (size_t)n * 2));
-                GT_CUDA(cudaMemcpy(din, hin, (size_t)n * 2, cudaMemcpyHostToDevice));
-                fm_tensor proto = shapes[si].E > 1 ? fm_tensor_3d(NULL, FM_DTYPE_BF16, shapes[si].E, shapes[si].R, shapes[si].C)
-                                                   : fm_tensor_2d(NULL, FM_DTYPE_BF16, shapes[si].R, shapes[si].C);
+                GT_CUDA(cudaMalloc(&din, (size_t)n * eb));
+                GT_CUDA(cudaMemcpy(din, hin, (size_t)n * eb, cudaMemcpyHostToDevice));
+                fm_tensor proto = shapes[si].E > 1 ? fm_tensor_3d(NULL, it, shapes[si].E, shapes[si].R, shapes[si].C)
+                                                   : fm_tensor_2d(NULL, it, shapes[si].R, shapes[si].C);
                 fm_tensor ih = proto, id = proto;
                 ih.data = hin;
                 id.data = din;
@@ -119,8 +139,8 @@ int main(void)
                 fm_quant_config qd = {.amax = damax, .nonfinite_blocks = dnf};
                 fm_tensor rh = on(&r, 0), ch = on(&col, 0), rd = on(&r, 1), cd = on(&col, 1);
                 char cs[160];
-                snprintf(cs, sizeof cs, "[%lld,%lld,%lld] %s %s %s", (long long)shapes[si].E, (long long)shapes[si].R,
-                         (long long)shapes[si].C, fm_dtype_name(cfgs[ci].el), fm_scale_mode_name(cfgs[ci].m),
+                snprintf(cs, sizeof cs, "[%lld,%lld,%lld] %s -> %s %s %s", (long long)shapes[si].E,
+                         (long long)shapes[si].R, (long long)shapes[si].C, fm_dtype_name(it), fm_dtype_name(cfgs[ci].el), fm_scale_mode_name(cfgs[ci].m),
                          fm_scale_layout_name(L));
                 fm_status a = fm_quantize(c, &qh, &ih, &rh, &ch), b = fm_quantize(g, &qd, &id, &rd, &cd);
                 GT_CHECK(a == FM_OK && b == FM_OK, "%s: quantize cpu %s gpu %s (%s)", cs, fm_last_error(c),
@@ -134,10 +154,26 @@ int main(void)
                 same_dev(&hnf, dnf, 8, "nonfinite_blocks", cs);
                 GT_CHECK(hnf >= 2, "%s: the NaN and the Inf should make at least 2 non-finite blocks, got %lld", cs,
                          (long long)hnf);
+                if (n > 4000000) {
+                    /* each output alone, into poisoned buffers */
+                    fm_quant_config q0 = {0};
+                    for (int which = 0; which < 2; which++) {
+                        side *sd = which ? &col : &r;
+                        fm_tensor one = on(sd, 1);
+                        GT_CUDA(cudaMemset(sd->dd, 0xA5, sd->nd));
+                        GT_CUDA(cudaMemset(sd->ds, 0xA5, sd->ns));
+                        b = fm_quantize(g, &q0, &id, which ? NULL : &one, which ? &one : NULL);
+                        GT_CHECK(b == FM_OK, "%s: %s output alone: %s", cs, which ? "column-wise" : "row-wise",
+                                 fm_last_error(g));
+                        GT_CUDA(cudaDeviceSynchronize());
+                        same_dev(sd->hd, sd->dd, sd->nd, which ? "column-wise codes alone" : "row-wise codes alone", cs);
+                        same_dev(sd->hs, sd->ds, sd->ns, which ? "column-wise scales alone" : "row-wise scales alone", cs);
+                    }
+                }
 
                 /* Dequantize both ways (column-wise input, row-wise BF16 out). */
-                void *hout = malloc((size_t)n * 2), *dout;
-                GT_CUDA(cudaMalloc(&dout, (size_t)n * 2));
+                void *hout = malloc((size_t)n * eb), *dout;
+                GT_CUDA(cudaMalloc(&dout, (size_t)n * eb));
                 fm_tensor oh = proto, od = proto;
                 oh.data = hout;
                 od.data = dout;
@@ -146,11 +182,11 @@ int main(void)
                 b = fm_dequantize(g, &cd, &od);
                 GT_CHECK(a == FM_OK && b == FM_OK, "%s: dequantize: %s", cs, fm_last_error(g));
                 GT_CUDA(cudaDeviceSynchronize());
-                same_dev(hout, dout, (size_t)n * 2, "dequantized (transposed)", cs);
+                same_dev(hout, dout, (size_t)n * eb, "dequantized (transposed)", cs);
                 a = fm_dequantize(c, &rh, &oh);
                 b = fm_dequantize(g, &rd, &od);
                 GT_CUDA(cudaDeviceSynchronize());
-                same_dev(hout, dout, (size_t)n * 2, "dequantized", cs);
+                same_dev(hout, dout, (size_t)n * eb, "dequantized", cs);
                 free(hout);
                 cudaFree(dout);
                 side_free(&r);
