@@ -32,6 +32,8 @@ NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -
 # Where warps wait, as average cycles per warp (ratios between them are what matter).
 STALLS=$(printf 'smsp__average_warp_latency_issue_stalled_%s,' barrier long_scoreboard short_scoreboard \
     mio_throttle lg_throttle math_pipe_throttle wait not_selected dispatch_stall | sed 's/,$//')
+# What reaches DRAM and L2: partial-sector writes show as more DRAM reads or more L2 write sectors.
+TRAFFIC=dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_srcunit_tex_op_write.sum,lts__t_sectors_srcunit_tex_op_read.sum
 n=0
 for spec in "$@"; do
     n=$((n + 1))
@@ -40,12 +42,12 @@ for spec in "$@"; do
     timeout 240 "$NCU" --clock-control none -k "regex:$k" --launch-skip 3 --launch-count 1 \
         --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
         --section MemoryWorkloadAnalysis --section LaunchStats --section InstructionStats \
-        --metrics "$STALLS,smsp__inst_executed.sum" \
+        --metrics "$STALLS,smsp__inst_executed.sum,$TRAFFIC" \
         ${FM_NCU_SOURCE:+--section SourceCounters --import-source no -o "$OUT/ncu-$n"} \
         "$BENCH" --reps 5 --filter "$f" >>"$OUT/ncu-$n.txt" 2>&1
     if [ -n "${FM_NCU_SOURCE:-}" ]; then
         "$NCU" -i "$OUT/ncu-$n.ncu-rep" --page details >>"$OUT/ncu-$n.txt" 2>&1
         "$NCU" -i "$OUT/ncu-$n.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu-$n-sass.csv" 2>&1
     fi
-    grep -E "Duration|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|No Eligible|Warp Cycles Per Issued|stalled_.*ratio|inst_executed.sum" "$OUT/ncu-$n.txt" | head -40
+    grep -E "Duration|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|No Eligible|Warp Cycles Per Issued|stalled_.*ratio|inst_executed.sum|dram__bytes|lts__t_sectors" "$OUT/ncu-$n.txt" | head -40
 done
