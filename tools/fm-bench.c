@@ -207,6 +207,7 @@ typedef struct bcase {
     fm_dtype out_elem;       /* transpose_scaled / convert_scaled: the output format */
     fm_scale_mode out_mode;
     int trusted;             /* transpose / convert: cfg.trusted_pow2_scales (no check, no wait) */
+    int out_gemm;            /* transpose / convert: output scales in the GEMM layout (else sl) */
 } bcase;
 
 static const bcase cases[] = {
@@ -234,8 +235,10 @@ static const bcase cases[] = {
      * they replace: dequantize to BF16, then quantize column-wise (two ops, timed together). */
     {"transpose_scaled E4M3 1x128 row->col", OP_TRANSPOSE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0.85, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 0},
     {"transpose_scaled E4M3 1x128 row->col, trusted POW2 scales", OP_TRANSPOSE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 1},
+    {"transpose_scaled E4M3 1x128 row->col, trusted POW2 scales, GEMM-layout output scales", OP_TRANSPOSE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 1, 1},
     {"transpose_scaled_grouped E4M3 1x128 row->col, 8 experts of 128-row multiples", OP_TRANSPOSE_GROUPED128, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0.85, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 0},
-    {"transpose_scaled_grouped E4M3 1x128 row->col, 8 experts of 128-row multiples, trusted POW2 scales (the layer's call)", OP_TRANSPOSE_GROUPED128, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 1},
+    {"transpose_scaled_grouped E4M3 1x128 row->col, 8 experts of 128-row multiples, trusted POW2 scales", OP_TRANSPOSE_GROUPED128, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 1},
+    {"transpose_scaled_grouped E4M3 1x128 row->col, 8 experts of 128-row multiples, trusted POW2 scales, GEMM-layout output scales (the layer's call)", OP_TRANSPOSE_GROUPED128, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 1, 1},
     {"transpose_scaled_grouped E4M3 1x128 row -> 128x128 col (ROWMAX), 8 experts of 128-row multiples, trusted POW2 scales (the flow recipes' x and h)", OP_TRANSPOSE_GROUPED128, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128, 1},
     {"transpose_scaled_grouped_rows E4M3 1x128 row->col, 8 experts x 4096 of 4096 token rows, trusted POW2 scales (the flow recipes' dy)", OP_TRANSPOSE_ROWS, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 1},
     {"transpose_scaled_grouped_rows E4M3 1x128 row -> 128x128 col (ROWMAX), 8 experts x 4096 of 4096 token rows, trusted POW2 scales (fp8-flow's x)", OP_TRANSPOSE_ROWS, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128, 1},
@@ -1608,7 +1611,7 @@ int main(int argc, char **argv)
                     a.out[k].layout = c->op == OP_CONVERT ? FM_LAYOUT_ROWWISE : FM_LAYOUT_COLWISE;
                     a.out[k].scale_mode = c->out_mode;
                     a.out[k].scale_dtype = fm_scale_mode_dtype(c->out_mode);
-                    a.out[k].scale_layout = c->sl;
+                    a.out[k].scale_layout = c->out_gemm ? FM_SCALE_LAYOUT_GEMM : c->sl;
                     a.out[k].data = dalloc(fm_tensor_nbytes(&a.out[k]));
                     a.out[k].scale = dalloc(is_grouped(c->op)
                                                 ? fm_tensor_grouped_scale_count(&a.out[k], splits_of(c->op)) *

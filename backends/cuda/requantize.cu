@@ -1979,12 +1979,19 @@ static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_
     p.in_half = in->dtype == FM_DTYPE_E2M1;
     p.out_half = out->dtype == FM_DTYPE_E2M1;
     p.groups = sp ? sp->groups : 0;
+    /* npad: GEMM-layout padding entries (entries less blocks), which only
+     * rq_pad_kernel writes; it visits every entry, so it runs only when
+     * there are some (none in the layer's transposes: S14-3 had the grouped
+     * one 17 us slower into GEMM-layout scales than into compact ones). */
     int64_t ntr = fm_cdiv(R, RQT), ntiles_rows = E * ntr, nscales_out = E * p.sout;
+    int64_t npad = E * (p.sout - fm_scale_count_2d(out->scale_mode, FM_SCALE_LAYOUT_COMPACT, p.Ro, p.Co));
     if (sp) { /* the same totals as the table's sentinel, from the host sizes */
-        ntiles_rows = nscales_out = 0;
+        ntiles_rows = nscales_out = npad = 0;
         for (int64_t g = 0; g < sp->groups; g++) {
+            const int64_t n = fm_scale_count_2d(out->scale_mode, out->scale_layout, C, sp->host[g]);
             ntiles_rows += fm_cdiv(sp->host[g], RQT);
-            nscales_out += fm_scale_count_2d(out->scale_mode, out->scale_layout, C, sp->host[g]);
+            nscales_out += n;
+            npad += n - fm_scale_count_2d(out->scale_mode, FM_SCALE_LAYOUT_COMPACT, C, sp->host[g]);
         }
     }
     const int64_t ntc = fm_cdiv(C, RQT);
@@ -2122,7 +2129,7 @@ static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_
         p.grp = table;
     }
 
-    if (out->scale_layout == FM_SCALE_LAYOUT_GEMM && nscales_out > 0) {
+    if (out->scale_layout == FM_SCALE_LAYOUT_GEMM && npad > 0) {
         what = "GEMM-layout scale padding: kernel launch";
         rq_pad_kernel<<<rq_grid(fm_cdiv(nscales_out, 256), 4096), 256, 0, s>>>(
             out->scale, out->scale_mode, p.out_e8, p.Ro, p.Co, p.sout, nscales_out, p.grp, p.groups);
