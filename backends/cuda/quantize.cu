@@ -24,13 +24,21 @@
 
 #define QT 128
 #define QTHREADS 256
+/* Tile-major scales: a tile's compact 1x128 (F32) or MX32 (E8M0) scales of
+ * one output are 128 words, one a stored row of the tile (its 1 or 4 block
+ * scales); the row-wise output's at bytes 0-511 of the tile's QTM_TILE, the
+ * column-wise output's at 512-1023. */
+#define QTM_TILE 1024
+/* in the tile kernel's MODE: both outputs store their scales tile-major
+ * (qout.tmaj) */
+#define QTM_FLAG 0x100
 /* CTAs per SM the tile kernel's registers are capped for. A BF16 tile stays
  * packed: with both outputs, or with MX32 blocks, it fits 64 registers
  * without spilling, so four CTAs share an SM; the other single-output BF16
  * kernels fit 80 (three CTAs; at 64 they spill a few bytes). F32 and F16
  * tiles need about 108 (two CTAs). */
 #define FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE)                                                         \
-    ((IN) != FM_DTYPE_BF16 ? 2 : ((RE) && (CE)) || (MODE) == FM_SCALE_MX32 ? 4 : 3)
+    ((IN) != FM_DTYPE_BF16 ? 2 : ((RE) && (CE)) || ((MODE) & ~QTM_FLAG) == FM_SCALE_MX32 ? 4 : 3)
 
 typedef struct qout {
     uint8_t *data;
@@ -44,6 +52,8 @@ typedef struct qout {
     int64_t nblk;          /* TENSOR: 1, ROW: R */
     int e8;
     int vec;               /* vector stores are aligned */
+    uint8_t *tmaj;         /* or NULL: this output's scales go tile-major here first (its half of
+                            * QTM_TILE bytes a tile, see quant_scale_scatter_kernel) */
 } qout;
 
 typedef struct qparams {
@@ -188,9 +198,20 @@ static __device__ __forceinline__ uint32_t col_absmax(const uint32_t t[8][8], in
 
 static __device__ __forceinline__ uint32_t fm_umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
 
-static __device__ __forceinline__ void put_scale(const qout &o, int64_t e, int64_t r, int64_t c, float s32,
-                                                 uint8_t s8)
+/* Scale entry (r, c) of stored matrix o, in tile t whose stored origin is
+ * (r0, c0). */
+template <bool TM>
+static __device__ __forceinline__ void put_scale(const qout &o, int64_t t, int64_t e, int64_t r, int64_t c,
+                                                 int64_t r0, int64_t c0, float s32, uint8_t s8)
 {
+    if (TM) {
+        uint8_t *b = o.tmaj + t * QTM_TILE;
+        if (o.e8)
+            b[(r - r0) * 4 + ((c - c0) >> 5)] = s8;
+        else
+            ((float *)b)[r - r0] = s32;
+        return;
+    }
     int64_t off = e * o.per + fm_scale_offset((fm_scale_mode)o.mode, (fm_scale_layout)o.layout, o.R, o.C, r, c);
     if (o.e8)
         ((uint8_t *)o.scale)[off] = s8;
@@ -208,10 +229,13 @@ static __device__ __forceinline__ void count_bad(const qparams &p, uint32_t abit
  * store hold columns cv*8 + j for one j, which then fall in 16 banks. */
 static __device__ __forceinline__ int pcol(int c) { return (c & 7) * 16 + (c >> 3); }
 
-/* MODE: 0 reads each output's scaling mode at run time; FM_SCALE_BLOCK_1x128 or
+/* MODE & ~QTM_FLAG: 0 reads each output's scaling mode at run time; FM_SCALE_BLOCK_1x128 or
  * FM_SCALE_MX32 promises that every output present has that mode, so the
  * compiler drops the other modes' code and the predicates it keeps live (the
- * BF16 activation paths get these). */
+ * BF16 activation paths get these). With QTM_FLAG both outputs store
+ * their scales tile-major (qout.tmaj): a kernel of its own, because a
+ * run-time choice between the two stores spills the 64-register BF16
+ * kernels. */
 template <int IN, int RE, int CE, int MODE>
 __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE)) quant_tile_kernel(const qparams p)
 {
@@ -227,7 +251,9 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
     const int tid = threadIdx.x, w = tid >> 5, l = tid & 31, hr = l >> 4, cv = l & 15;
     const qout &orow = p.o[0];
     const qout &ocol = p.o[1];
-    const int rmode = MODE ? MODE : orow.mode, cmode = MODE ? MODE : ocol.mode;
+    constexpr int BM = MODE & ~QTM_FLAG;
+    constexpr bool TM = (MODE & QTM_FLAG) != 0;
+    const int rmode = BM ? BM : orow.mode, cmode = BM ? BM : ocol.mode;
     const bool need_tmax = p.amax || (RE && rmode == FM_SCALE_BLOCK_128x128) ||
                            (CE && cmode == FM_SCALE_BLOCK_128x128);
 
@@ -290,7 +316,7 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                         mine = k == ks ? rm[k] : mine;
                     const float ma = fm_pick_scale(mine, p.eps, orow.rule, RE, &s32a, &s8a);
                     if (cv < 8 && rb + ks < p.rows && c0 < p.cols) {
-                        put_scale(orow, e, rb + ks, c0, s32a, s8a);
+                        put_scale<TM>(orow, t, e, rb + ks, c0, r0, c0, s32a, s8a);
                         count_bad(p, mine);
                     }
 #pragma unroll
@@ -309,11 +335,11 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                     const int64_t cs = c0 + (cv >> 2) * 32;
                     if (cs < p.cols) {
                         if (rb + i2 < p.rows) {
-                            put_scale(orow, e, rb + i2, cs, s32a, s8a);
+                            put_scale<TM>(orow, t, e, rb + i2, cs, r0, c0, s32a, s8a);
                             count_bad(p, m0);
                         }
                         if (rb + i2 + 1 < p.rows) {
-                            put_scale(orow, e, rb + i2 + 1, cs, s32b, s8b);
+                            put_scale<TM>(orow, t, e, rb + i2 + 1, cs, r0, c0, s32b, s8b);
                             count_bad(p, m1);
                         }
                     }
@@ -327,7 +353,7 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                 uint8_t s8;
                 float m = fm_pick_scale(tmax, p.eps, orow.rule, RE, &s32, &s8);
                 if (tid == 0) {
-                    put_scale(orow, e, r0, c0, s32, s8);
+                    put_scale<TM>(orow, t, e, r0, c0, r0, c0, s32, s8);
                     count_bad(p, tmax);
                 }
 #pragma unroll
@@ -397,7 +423,7 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                         uint8_t s8;
                         cmul[0][pc] = fm_pick_scale(m, p.eps, ocol.rule, CE, &s32, &s8);
                         if (c0 + c < p.cols) {
-                            put_scale(ocol, e, c0 + c, r0, s32, s8);
+                            put_scale<TM>(ocol, t, e, c0 + c, r0, c0, r0, s32, s8);
                             count_bad(p, m);
                         }
                     }
@@ -410,7 +436,7 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                         uint8_t s8;
                         cmul[q][pc] = fm_pick_scale(m, p.eps, ocol.rule, CE, &s32, &s8);
                         if (c0 + c < p.cols && r0 + 32 * q < p.rows) {
-                            put_scale(ocol, e, c0 + c, r0 + 32 * q, s32, s8);
+                            put_scale<TM>(ocol, t, e, c0 + c, r0 + 32 * q, c0, r0, s32, s8);
                             count_bad(p, m);
                         }
                     }
@@ -425,7 +451,7 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                 uint8_t s8;
                 float m = fm_pick_scale(tmax, p.eps, ocol.rule, CE, &s32, &s8);
                 if (tid == 0) {
-                    put_scale(ocol, e, c0, r0, s32, s8);
+                    put_scale<TM>(ocol, t, e, c0, r0, c0, r0, s32, s8);
                     count_bad(p, tmax);
                 }
 #pragma unroll
@@ -624,21 +650,75 @@ __global__ void quant_aux_kernel(const auxparams a)
     }
 }
 
+/* ---- tile-major scales into the compact layout ---------------------------
+ * Stored straight from the tile kernel, a tile's compact scales of one output
+ * are 128 single-word (or single-byte) stores to 128 lines. Into both outputs
+ * of a wide matrix that held row+col quantize [32768, 7168] at 77% of copy
+ * against 86% with GEMM-layout scales, whose tile entries are contiguous
+ * (Nsight Compute, S13-1: 18.4M L2 write sectors against 15.1M; the stores
+ * stall the tile kernel on MIO throttle). So there the tile kernel writes
+ * them tile-major (contiguous, QTM_TILE bytes a tile: 340 us, as with GEMM
+ * scales, S14-6) and this kernel moves them into place: an item is the words
+ * of 32 tiles along one band of 128 stored rows, through shared memory, read
+ * and written in whole lines. Part 0: the row-wise output [R, ntc words],
+ * the band a tile row; part 1: the column-wise output [C, ntr words], the
+ * band a tile column. It takes 24.5 us under Nsight Compute for 33 MB, 40%
+ * of DRAM bandwidth: the lead for the rest of the gap to the GEMM layout.
+ * Tried and slower: its loads unrolled (28.8 us, S14-8); each chunk moved
+ * inside the tile kernel by the CTA that completes its last tile (a fence
+ * and a count a tile: 84.4% -> 83.1% of copy, S14-7). */
+typedef struct qscatter {
+    const uint32_t *tm;
+    uint32_t *dst[2];
+    int64_t ntr, ntc;
+    int64_t lim[2];   /* stored rows of each output */
+    int64_t perw[2];  /* words per expert */
+    int64_t items[2]; /* E x bands x ceil(tiles along a band / 32) */
+} qscatter;
+
+__global__ void __launch_bounds__(256) quant_scale_scatter_kernel(const qscatter s)
+{
+    __shared__ uint32_t sm[32][129];
+    for (int64_t it = blockIdx.x; it < s.items[0] + s.items[1]; it += gridDim.x) {
+        const int part = it >= s.items[0];
+        const int64_t k = part ? it - s.items[0] : it;
+        const int64_t A = part ? s.ntc : s.ntr, B = part ? s.ntr : s.ntc, nbc = (B + 31) / 32;
+        const int64_t b0 = (k % nbc) * 32, a = (k / nbc) % A, e = k / nbc / A;
+        const int nb = B - b0 < 32 ? (int)(B - b0) : 32;
+        for (int idx = threadIdx.x; idx < 32 * 128; idx += 256) {
+            const int bb = idx >> 7, i = idx & 127;
+            if (bb < nb) {
+                const int64_t b = b0 + bb, tile = part ? (e * s.ntr + b) * s.ntc + a : (e * s.ntr + a) * s.ntc + b;
+                sm[bb][i] = s.tm[tile * (QTM_TILE / 4) + part * 128 + i];
+            }
+        }
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < 128 * 32; idx += 256) {
+            const int i = idx >> 5, bb = idx & 31;
+            const int64_t row = a * 128 + i;
+            if (bb < nb && row < s.lim[part])
+                s.dst[part][e * s.perw[part] + row * B + b0 + bb] = sm[bb][i];
+        }
+        __syncthreads();
+    }
+}
+
 /* ---- host side ------------------------------------------------------------ */
 
 template <int IN, int MODE>
 static void launch_tile(const qparams &p, int re, int ce, unsigned grid, cudaStream_t st)
 {
-#define FM_Q_CASE(R_, C_)                                                          \
-    if (re == R_ && ce == C_) {                                                    \
-        quant_tile_kernel<IN, R_, C_, MODE><<<grid, QTHREADS, 0, st>>>(p);         \
-        return;                                                                    \
-    }
+#define FM_Q_CASE(R_, C_)                                                                        \
+    if constexpr (!((MODE & QTM_FLAG) && ((R_) == 0 || (C_) == 0))) /* QTM_FLAG: both outputs */ \
+        if (re == R_ && ce == C_) {                                                              \
+            quant_tile_kernel<IN, R_, C_, MODE><<<grid, QTHREADS, 0, st>>>(p);                   \
+            return;                                                                              \
+        }
 #define FM_Q_ROW(R_)                                                               \
     FM_Q_CASE(R_, 0) FM_Q_CASE(R_, FM_DTYPE_E4M3) FM_Q_CASE(R_, FM_DTYPE_E5M2)
     FM_Q_CASE(0, FM_DTYPE_E4M3) FM_Q_CASE(0, FM_DTYPE_E5M2)
     FM_Q_ROW(FM_DTYPE_E4M3) FM_Q_ROW(FM_DTYPE_E5M2)
-    if (MODE != FM_SCALE_BLOCK_1x128) { /* E2M1 exists with MX32 only */
+    if ((MODE & ~QTM_FLAG) != FM_SCALE_BLOCK_1x128) { /* E2M1 exists with MX32 only */
         FM_Q_CASE(0, FM_DTYPE_E2M1) FM_Q_CASE(FM_DTYPE_E2M1, 0) FM_Q_CASE(FM_DTYPE_E2M1, FM_DTYPE_E2M1)
         FM_Q_CASE(FM_DTYPE_E4M3, FM_DTYPE_E2M1) FM_Q_CASE(FM_DTYPE_E5M2, FM_DTYPE_E2M1)
         FM_Q_CASE(FM_DTYPE_E2M1, FM_DTYPE_E4M3) FM_Q_CASE(FM_DTYPE_E2M1, FM_DTYPE_E5M2)
@@ -687,11 +767,30 @@ static int is_global_mode(const fm_tensor *t)
     return t && (t->scale_mode == FM_SCALE_TENSOR || t->scale_mode == FM_SCALE_ROW);
 }
 
-static int has_gemm_padding(const fm_tensor *t)
+/* Whether output t's GEMM-layout scale array holds padding entries (more
+ * entries than blocks), which the aux kernel fills; without any it is not
+ * launched (it visits every entry: [32768, 7168] 1x128 row+col has none). */
+static int has_gemm_padding(const fm_tensor *t, const qout *o)
 {
     return t && t->scale_layout == FM_SCALE_LAYOUT_GEMM &&
            (t->scale_mode == FM_SCALE_BLOCK_1x128 || t->scale_mode == FM_SCALE_BLOCK_128x128 ||
-            t->scale_mode == FM_SCALE_MX32);
+            t->scale_mode == FM_SCALE_MX32) &&
+           o->per > fm_scale_count_2d(t->scale_mode, FM_SCALE_LAYOUT_COMPACT, o->R, o->C);
+}
+
+/* Whether output t's scales can go tile-major (quant_scale_scatter_kernel):
+ * compact 1x128 with F32 scales, or compact MX32 with E8M0 scales whose
+ * stored rows hold whole 4-byte words of them (the block dimension a
+ * multiple of 128). */
+static int tile_major_ok(const fm_tensor *t, const qout *o, int colwise, int64_t rows, int64_t cols)
+{
+    if (!t || t->scale_layout != FM_SCALE_LAYOUT_COMPACT || (uintptr_t)t->scale % 4)
+        return 0;
+    if (t->scale_mode == FM_SCALE_BLOCK_1x128)
+        return !o->e8;
+    if (t->scale_mode == FM_SCALE_MX32)
+        return o->e8 && (colwise ? rows : cols) % 128 == 0;
+    return 0;
 }
 
 static unsigned grid_for(int64_t items, int64_t cap)
@@ -741,6 +840,24 @@ extern "C" fm_status fm_cuda_quantize(fm_context *ctx, const fm_quant_config *cf
             nglob[k] = E * p.o[k].nblk;
             scratch += fm_round_up(nglob[k], 64) * 8;
         }
+    /* Tile-major scales, after it (quant_scale_scatter_kernel): BF16 into
+     * both outputs, 32 and more tiles wide, more tiles than one wave of the
+     * tile kernel, and the workspace holds them (no allocation for this).
+     * Measured (S14-1, S14-2): [32768, 7168] row+col 77% -> 84% of copy
+     * (the column-wise output alone tile-major: 80%); one output alone gains
+     * nothing and pays the scatter (1x128 row 91.7% -> 89.2%), and neither
+     * does a narrow matrix, whose scale lines L2 merges anyway ([8 x 4096,
+     * 2048] row+col 87.6% -> 80.6%). */
+    int tmaj = 0;
+    const int64_t glob_bytes = scratch;
+    const fm_cuda_state *cs = fm_cuda(ctx);
+    const int hint = shared_block_mode(out_row, out_col);
+    if (in->dtype == FM_DTYPE_BF16 && hint && p.ntc >= 32 && p.ntiles > (int64_t)cs->prop.multiProcessorCount * 4 &&
+        (size_t)(scratch + p.ntiles * QTM_TILE) <= cs->workspace_bytes &&
+        tile_major_ok(out_row, &p.o[0], 0, rows, cols) && tile_major_ok(out_col, &p.o[1], 1, rows, cols)) {
+        tmaj = 1;
+        scratch += p.ntiles * QTM_TILE;
+    }
     void *buf = NULL;
     int owned = 0;
     if (scratch) {
@@ -749,6 +866,12 @@ extern "C" fm_status fm_cuda_quantize(fm_context *ctx, const fm_quant_config *cf
             fm_cuda_leave(ctx, &guard, cudaSuccess, NULL);
             return st;
         }
+        if (tmaj) {
+            p.o[0].tmaj = (uint8_t *)buf + glob_bytes;
+            p.o[1].tmaj = p.o[0].tmaj + QTM_TILE / 2;
+        }
+    }
+    if (glob_bytes) {
         uint8_t *b = (uint8_t *)buf;
         for (int k = 0; k < 2; k++)
             if (nglob[k]) {
@@ -756,7 +879,7 @@ extern "C" fm_status fm_cuda_quantize(fm_context *ctx, const fm_quant_config *cf
                 p.o[k].gmult = (float *)(b + fm_round_up(nglob[k], 64) * 4);
                 b += fm_round_up(nglob[k], 64) * 8;
             }
-        if ((err = cudaMemsetAsync(buf, 0, (size_t)scratch, s)) != cudaSuccess)
+        if ((err = cudaMemsetAsync(buf, 0, (size_t)glob_bytes, s)) != cudaSuccess)
             goto out;
         if (p.ntiles) {
             ppparams pp;
@@ -799,7 +922,7 @@ extern "C" fm_status fm_cuda_quantize(fm_context *ctx, const fm_quant_config *cf
             if (nglob[k]) {
                 a.kind[k] = 1;
                 a.n[k] = nglob[k];
-            } else if (has_gemm_padding(outs[k])) {
+            } else if (has_gemm_padding(outs[k], &p.o[k])) {
                 a.kind[k] = 2;
                 a.n[k] = E * p.o[k].per;
             }
@@ -814,9 +937,13 @@ extern "C" fm_status fm_cuda_quantize(fm_context *ctx, const fm_quant_config *cf
     if (p.ntiles) {
         const int re = out_row ? out_row->dtype : 0, ce = out_col ? out_col->dtype : 0;
         unsigned g = grid_for(p.ntiles, (int64_t)1 << 30);
-        const int hint = shared_block_mode(out_row, out_col);
+        const int tm = tmaj;
         if (in->dtype == FM_DTYPE_F32)
             launch_tile<FM_DTYPE_F32, 0>(p, re, ce, g, s);
+        else if (tm && hint == FM_SCALE_BLOCK_1x128)
+            launch_tile<FM_DTYPE_BF16, FM_SCALE_BLOCK_1x128 | QTM_FLAG>(p, re, ce, g, s);
+        else if (tm)
+            launch_tile<FM_DTYPE_BF16, FM_SCALE_MX32 | QTM_FLAG>(p, re, ce, g, s);
         else if (in->dtype == FM_DTYPE_BF16 && hint == FM_SCALE_BLOCK_1x128)
             launch_tile<FM_DTYPE_BF16, FM_SCALE_BLOCK_1x128>(p, re, ce, g, s);
         else if (in->dtype == FM_DTYPE_BF16 && hint == FM_SCALE_MX32)
@@ -826,6 +953,22 @@ extern "C" fm_status fm_cuda_quantize(fm_context *ctx, const fm_quant_config *cf
         else
             launch_tile<FM_DTYPE_F16, 0>(p, re, ce, g, s);
         err = cudaGetLastError();
+        if (err == cudaSuccess && tmaj) {
+            qscatter q;
+            q.tm = (const uint32_t *)p.o[0].tmaj;
+            q.ntr = p.ntr;
+            q.ntc = p.ntc;
+            for (int k = 0; k < 2; k++) {
+                q.dst[k] = (uint32_t *)p.o[k].scale;
+                q.lim[k] = p.o[k].R;
+                q.perw[k] = p.o[k].e8 ? p.o[k].per / 4 : p.o[k].per;
+                q.items[k] = E * (k ? p.ntc : p.ntr) * fm_cdiv(k ? p.ntr : p.ntc, 32);
+            }
+            quant_scale_scatter_kernel<<<grid_for(q.items[0] + q.items[1],
+                                                  (int64_t)cs->prop.multiProcessorCount * 8),
+                                         256, 0, s>>>(q);
+            err = cudaGetLastError();
+        }
     }
 out:
     if (owned) {

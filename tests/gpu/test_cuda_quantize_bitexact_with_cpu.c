@@ -5,7 +5,12 @@
  * short form every GPU test run includes. The `wide` shapes have more 128 x 128
  * tiles than the GPU holds CTAs at once (a CTA a tile: later tiles run on CTAs
  * launched as others end), whole and partial ones mixed, from every input
- * dtype; there each output alone (the one-output kernels) must match too. */
+ * dtype; there each output alone (the one-output kernels) must match too.
+ * BF16 shapes 32 and more tiles wide quantized into both outputs at once
+ * store compact 1x128 and MX32 scales tile-major, then scatter them
+ * (quantize.cu): over several experts, partial tiles ([3, 700, 4100]: 1x128
+ * only, MX32 needs whole tiles for it) and more than 32 tile rows
+ * ([1, 4480, 4096]). */
 #include <math.h>
 #include <stdint.h>
 
@@ -86,7 +91,8 @@ int main(void)
     } shapes[] = {{1, 300, 520, FM_DTYPE_BF16, 0},   {3, 130, 256, FM_DTYPE_BF16, 0},
                   {1, 256, 7168, FM_DTYPE_BF16, 0},  {9, 1100, 1040, FM_DTYPE_BF16, 1},
                   {1, 8200, 2056, FM_DTYPE_F16, 1},  {1, 8200, 2056, FM_DTYPE_F32, 1},
-                  {1, 4096, 4096, FM_DTYPE_BF16, 1}};
+                  {1, 4480, 4096, FM_DTYPE_BF16, 1}, {3, 700, 4100, FM_DTYPE_BF16, 1},
+                  {2, 1280, 4224, FM_DTYPE_BF16, 1}};
     struct {
         fm_dtype el;
         fm_scale_mode m;
