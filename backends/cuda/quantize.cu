@@ -662,11 +662,11 @@ __global__ void quant_aux_kernel(const auxparams a)
  * of 32 tiles along one band of 128 stored rows, through shared memory, read
  * and written in whole lines. Part 0: the row-wise output [R, ntc words],
  * the band a tile row; part 1: the column-wise output [C, ntr words], the
- * band a tile column. It takes 24.5 us under Nsight Compute for 33 MB, 40%
- * of DRAM bandwidth: the lead for the rest of the gap to the GEMM layout.
- * Tried and slower: its loads unrolled (28.8 us, S14-8); each chunk moved
- * inside the tile kernel by the CTA that completes its last tile (a fence
- * and a count a tile: 84.4% -> 83.1% of copy, S14-7). */
+ * band a tile column. It takes 19.8 us under Nsight Compute for 33 MB (37%
+ * of DRAM bandwidth; 24.5 us in 4-byte units, S14-6): the rest of the gap
+ * to the GEMM layout. Tried and slower: the 4-byte loads unrolled (28.8 us,
+ * S14-8); each chunk moved inside the tile kernel by the CTA that completes
+ * its last tile (a fence and a count a tile: 84.4% -> 83.1% of copy, S14-7). */
 typedef struct qscatter {
     const uint32_t *tm;
     uint32_t *dst[2];
@@ -685,6 +685,29 @@ __global__ void __launch_bounds__(256) quant_scale_scatter_kernel(const qscatter
         const int64_t A = part ? s.ntc : s.ntr, B = part ? s.ntr : s.ntc, nbc = (B + 31) / 32;
         const int64_t b0 = (k % nbc) * 32, a = (k / nbc) % A, e = k / nbc / A;
         const int nb = B - b0 < 32 ? (int)(B - b0) : 32;
+        uint32_t *dst = s.dst[part] + e * s.perw[part];
+        if (nb % 4 == 0 && B % 4 == 0 && (uintptr_t)dst % 16 == 0) {
+            /* 16-byte units both ways (S14-10: the kernel 24.5 -> 19.8 us) */
+            for (int idx = threadIdx.x; idx < nb * 32; idx += 256) {
+                const int bb = idx >> 5, q = idx & 31;
+                const int64_t b = b0 + bb, tile = part ? (e * s.ntr + b) * s.ntc + a : (e * s.ntr + a) * s.ntc + b;
+                const uint4 v = *(const uint4 *)(s.tm + tile * (QTM_TILE / 4) + part * 128 + 4 * q);
+                sm[bb][4 * q] = v.x;
+                sm[bb][4 * q + 1] = v.y;
+                sm[bb][4 * q + 2] = v.z;
+                sm[bb][4 * q + 3] = v.w;
+            }
+            __syncthreads();
+            for (int idx = threadIdx.x; idx < 128 * 8; idx += 256) {
+                const int i = idx >> 3, q = idx & 7;
+                const int64_t row = a * 128 + i;
+                if (4 * q < nb && row < s.lim[part])
+                    *(uint4 *)(dst + row * B + b0 + 4 * q) =
+                        make_uint4(sm[4 * q][i], sm[4 * q + 1][i], sm[4 * q + 2][i], sm[4 * q + 3][i]);
+            }
+            __syncthreads();
+            continue;
+        }
         for (int idx = threadIdx.x; idx < 32 * 128; idx += 256) {
             const int bb = idx >> 7, i = idx & 127;
             if (bb < nb) {
@@ -697,7 +720,7 @@ __global__ void __launch_bounds__(256) quant_scale_scatter_kernel(const qscatter
             const int i = idx >> 5, bb = idx & 31;
             const int64_t row = a * 128 + i;
             if (bb < nb && row < s.lim[part])
-                s.dst[part][e * s.perw[part] + row * B + b0 + bb] = sm[bb][i];
+                dst[row * B + b0 + bb] = sm[bb][i];
         }
         __syncthreads();
     }

@@ -10,7 +10,7 @@
  * store compact 1x128 and MX32 scales tile-major, then scatter them
  * (quantize.cu): over several experts, partial tiles ([3, 700, 4100]: 1x128
  * only, MX32 needs whole tiles for it) and more than 32 tile rows
- * ([1, 4480, 4096]). */
+ * ([1, 4608, 4096]). */
 #include <math.h>
 #include <stdint.h>
 
@@ -91,7 +91,7 @@ int main(void)
     } shapes[] = {{1, 300, 520, FM_DTYPE_BF16, 0},   {3, 130, 256, FM_DTYPE_BF16, 0},
                   {1, 256, 7168, FM_DTYPE_BF16, 0},  {9, 1100, 1040, FM_DTYPE_BF16, 1},
                   {1, 8200, 2056, FM_DTYPE_F16, 1},  {1, 8200, 2056, FM_DTYPE_F32, 1},
-                  {1, 4480, 4096, FM_DTYPE_BF16, 1}, {3, 700, 4100, FM_DTYPE_BF16, 1},
+                  {1, 4608, 4096, FM_DTYPE_BF16, 1}, {3, 700, 4100, FM_DTYPE_BF16, 1},
                   {2, 1280, 4224, FM_DTYPE_BF16, 1}};
     struct {
         fm_dtype el;
