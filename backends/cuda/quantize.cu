@@ -676,6 +676,14 @@ typedef struct qscatter {
     int64_t items[2]; /* E x bands x ceil(tiles along a band / 32) */
 } qscatter;
 
+/* The first tile-major word of tile b along band a of expert e, in `part`. */
+static __device__ __forceinline__ const uint32_t *qscatter_tile(const qscatter &s, int part, int64_t e, int64_t a,
+                                                                int64_t b)
+{
+    const int64_t tile = part ? (e * s.ntr + b) * s.ntc + a : (e * s.ntr + a) * s.ntc + b;
+    return s.tm + tile * (QTM_TILE / 4) + part * 128;
+}
+
 __global__ void __launch_bounds__(256) quant_scale_scatter_kernel(const qscatter s)
 {
     __shared__ uint32_t sm[32][129];
@@ -690,8 +698,7 @@ __global__ void __launch_bounds__(256) quant_scale_scatter_kernel(const qscatter
             /* 16-byte units both ways (S14-10: the kernel 24.5 -> 19.8 us) */
             for (int idx = threadIdx.x; idx < nb * 32; idx += 256) {
                 const int bb = idx >> 5, q = idx & 31;
-                const int64_t b = b0 + bb, tile = part ? (e * s.ntr + b) * s.ntc + a : (e * s.ntr + a) * s.ntc + b;
-                const uint4 v = *(const uint4 *)(s.tm + tile * (QTM_TILE / 4) + part * 128 + 4 * q);
+                const uint4 v = *(const uint4 *)(qscatter_tile(s, part, e, a, b0 + bb) + 4 * q);
                 sm[bb][4 * q] = v.x;
                 sm[bb][4 * q + 1] = v.y;
                 sm[bb][4 * q + 2] = v.z;
@@ -710,10 +717,8 @@ __global__ void __launch_bounds__(256) quant_scale_scatter_kernel(const qscatter
         }
         for (int idx = threadIdx.x; idx < 32 * 128; idx += 256) {
             const int bb = idx >> 7, i = idx & 127;
-            if (bb < nb) {
-                const int64_t b = b0 + bb, tile = part ? (e * s.ntr + b) * s.ntc + a : (e * s.ntr + a) * s.ntc + b;
-                sm[bb][i] = s.tm[tile * (QTM_TILE / 4) + part * 128 + i];
-            }
+            if (bb < nb)
+                sm[bb][i] = qscatter_tile(s, part, e, a, b0 + bb)[i];
         }
         __syncthreads();
         for (int idx = threadIdx.x; idx < 128 * 32; idx += 256) {
@@ -798,7 +803,7 @@ static int has_gemm_padding(const fm_tensor *t, const qout *o)
     return t && t->scale_layout == FM_SCALE_LAYOUT_GEMM &&
            (t->scale_mode == FM_SCALE_BLOCK_1x128 || t->scale_mode == FM_SCALE_BLOCK_128x128 ||
             t->scale_mode == FM_SCALE_MX32) &&
-           o->per > fm_scale_count_2d(t->scale_mode, FM_SCALE_LAYOUT_COMPACT, o->R, o->C);
+           fm_scale_padding_2d(t->scale_mode, t->scale_layout, o->R, o->C) > 0;
 }
 
 /* Whether output t's scales can go tile-major (quant_scale_scatter_kernel):
@@ -960,12 +965,11 @@ extern "C" fm_status fm_cuda_quantize(fm_context *ctx, const fm_quant_config *cf
     if (p.ntiles) {
         const int re = out_row ? out_row->dtype : 0, ce = out_col ? out_col->dtype : 0;
         unsigned g = grid_for(p.ntiles, (int64_t)1 << 30);
-        const int tm = tmaj;
         if (in->dtype == FM_DTYPE_F32)
             launch_tile<FM_DTYPE_F32, 0>(p, re, ce, g, s);
-        else if (tm && hint == FM_SCALE_BLOCK_1x128)
+        else if (tmaj && hint == FM_SCALE_BLOCK_1x128)
             launch_tile<FM_DTYPE_BF16, FM_SCALE_BLOCK_1x128 | QTM_FLAG>(p, re, ce, g, s);
-        else if (tm)
+        else if (tmaj)
             launch_tile<FM_DTYPE_BF16, FM_SCALE_MX32 | QTM_FLAG>(p, re, ce, g, s);
         else if (in->dtype == FM_DTYPE_BF16 && hint == FM_SCALE_BLOCK_1x128)
             launch_tile<FM_DTYPE_BF16, FM_SCALE_BLOCK_1x128>(p, re, ce, g, s);

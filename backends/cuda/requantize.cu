@@ -1984,14 +1984,13 @@ static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_
      * there are some (none in the layer's transposes: S14-3 had the grouped
      * one 17 us slower into GEMM-layout scales than into compact ones). */
     int64_t ntr = fm_cdiv(R, RQT), ntiles_rows = E * ntr, nscales_out = E * p.sout;
-    int64_t npad = E * (p.sout - fm_scale_count_2d(out->scale_mode, FM_SCALE_LAYOUT_COMPACT, p.Ro, p.Co));
+    int64_t npad = E * fm_scale_padding_2d(out->scale_mode, out->scale_layout, p.Ro, p.Co);
     if (sp) { /* the same totals as the table's sentinel, from the host sizes */
         ntiles_rows = nscales_out = npad = 0;
         for (int64_t g = 0; g < sp->groups; g++) {
-            const int64_t n = fm_scale_count_2d(out->scale_mode, out->scale_layout, C, sp->host[g]);
             ntiles_rows += fm_cdiv(sp->host[g], RQT);
-            nscales_out += n;
-            npad += n - fm_scale_count_2d(out->scale_mode, FM_SCALE_LAYOUT_COMPACT, C, sp->host[g]);
+            nscales_out += fm_scale_count_2d(out->scale_mode, out->scale_layout, C, sp->host[g]);
+            npad += fm_scale_padding_2d(out->scale_mode, out->scale_layout, C, sp->host[g]);
         }
     }
     const int64_t ntc = fm_cdiv(C, RQT);

@@ -398,6 +398,13 @@ FM_HD int64_t fm_scale_count_2d(fm_scale_mode m, fm_scale_layout l, int64_t R, i
     }
 }
 
+/* Padding entries of one matrix's scale array in layout l: entries that
+ * hold no block's scale (always 0 for the compact layout). */
+FM_HD int64_t fm_scale_padding_2d(fm_scale_mode m, fm_scale_layout l, int64_t R, int64_t C)
+{
+    return fm_scale_count_2d(m, l, R, C) - fm_scale_count_2d(m, FM_SCALE_LAYOUT_COMPACT, R, C);
+}
+
 /* Offset of the scale of stored element (r, c) in one matrix's scale array.
  * GEMM layouts: BLOCK_1x128 is [ceil(C/128)][round_up(R, 4)] (R contiguous,
  * cuBLASLt VEC128); BLOCK_128x128 is [ceil(R/128)][round_up(ceil(C/128), 4)]
