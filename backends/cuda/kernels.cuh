@@ -75,6 +75,68 @@ FM_DI uint32_t fm_fast_e2m1x8(const float *y)
     return ne | (no << 4);
 }
 
+/* fm_bf16x2_e2m1's multiplier word for the block multipliers 2^k_lo and
+ * 2^k_hi (k in [-126, 127], as every MX32 block's): the BF16 bits of each,
+ * which are the high halves of their F32 bits. A NaN multiplier (a
+ * non-finite block) gives codes the caller replaces. */
+FM_DI uint32_t fm_e2m1_mul2(float lo, float hi)
+{
+    return __byte_perm(__float_as_uint(lo), __float_as_uint(hi), 0x7632);
+}
+/* ... and its exponent word: each half plus (133 - 254) << 7. */
+FM_DI uint32_t fm_e2m1_mexp(uint32_t mul) { return __vadd2(mul, 0xC380C380u); }
+
+/* Two BF16 values (low half first) times 2^k_lo and 2^k_hi -> their two
+ * E2M1 codes in bits 0-3 and 16-19, equal to fm_e2m1_from_f32 of the F32
+ * product wherever |x| 2^k < 8, which the POW2 and MX_FLOOR rules keep for
+ * every element of a finite block; a half outside that (a non-finite
+ * block's) gets some code but leaves the other half's alone. mul: the BF16
+ * bits of 2^k in each half, mexp: fm_e2m1_mexp of it. One BF16 FMA rounds:
+ * s = x 2^k + M' with M = 2^(e + 6) for |x| 2^k in [2^e, 2^(e+1)) (floor
+ * 2^6), whose BF16 ulp is the E2M1 step of that binade, so the FMA's RNE is
+ * the E2M1 one and s's mantissa field counts steps above M; M' = M (1 + 2d
+ * / 128), d = e_M - 6 in {0, 1, 2}, adds the code of the binade's first
+ * grid point, so the field is the E2M1 magnitude code (8 where MX_FLOOR
+ * lets a value round past 6: clamped to 7, satfinite); M' takes x's sign,
+ * so s has it too. Every integer step stays inside its 16-bit half: u is
+ * in [0x4280, 0x7FFF] per half, so u - 0x4280 borrows from no other half
+ * and u plus the offset stays below 0x8100, and the sign joins by OR
+ * (a plain add would carry out of a half whose value is out of range). Checked
+ * for every BF16 x and k by tests/gpu/test_cuda_hw_fp8_cvt_equals_codec.cu,
+ * with Inf and NaN beside in the other half. */
+FM_DI uint32_t fm_bf16x2_e2m1(uint32_t x, uint32_t mul, uint32_t mexp)
+{
+    const uint32_t u = __viaddmax_s16x2(x & 0x7F807F80u, mexp, 0x42804280u); /* e_M << 7, biased */
+    const uint32_t mp = (u + ((u - 0x42804280u) >> 6)) | (x & 0x80008000u);
+    uint32_t s;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(s) : "r"(x), "r"(mul), "r"(mp));
+    return __vminu2(s & 0x000F000Fu, 0x00070007u) | ((s >> 12) & 0x00080008u);
+}
+
+/* Four fm_bf16x2_e2m1 results of one row's elements (c[q]: 2q and 2q+1)
+ * -> the row's eight codes, element i in bits 4i..4i+3. */
+FM_DI uint32_t fm_e2m1_pairs_row(const uint32_t c[4])
+{
+    uint32_t x = c[0] | (c[1] << 8), y = c[2] | (c[3] << 8);
+    x |= x >> 12;
+    y |= y >> 12;
+    return __byte_perm(x, y, 0x5410);
+}
+
+/* Eight fm_bf16x2_e2m1 results of one column pair (c[k]: row k of columns
+ * 2q and 2q+1) -> each column's eight codes, row k in bits 4k..4k+3. */
+FM_DI void fm_e2m1_pairs_cols(const uint32_t c[8], uint32_t *col_lo, uint32_t *col_hi)
+{
+    uint32_t a = 0, b = 0;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        a |= c[k] << (4 * k);
+        b |= c[k + 4] << (4 * k);
+    }
+    *col_lo = __byte_perm(a, b, 0x5410);
+    *col_hi = __byte_perm(a, b, 0x7632);
+}
+
 /* Two F32 -> BF16 / F16 (RNE, F16 overflows to Inf) through the hardware
  * cvt, NaN made canonical as format.h requires; low half = lo. */
 FM_DI uint32_t fm_hw_bf16x2(float lo, float hi)

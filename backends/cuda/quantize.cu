@@ -253,6 +253,10 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
     const qout &ocol = p.o[1];
     constexpr int BM = MODE & ~QTM_FLAG;
     constexpr bool TM = (MODE & QTM_FLAG) != 0;
+    /* BF16 into E2M1 outputs only: encode packed pairs (fm_bf16x2_e2m1). With
+     * an FP8 output beside, the F32 path, which keeps those kernels within 64
+     * registers (the packed one spills 8-22 bytes there). */
+    constexpr bool PK = IN == FM_DTYPE_BF16 && (RE == FM_DTYPE_E2M1 || !RE) && (CE == FM_DTYPE_E2M1 || !CE);
     const int rmode = BM ? BM : orow.mode, cmode = BM ? BM : ocol.mode;
     const bool need_tmax = p.amax || (RE && rmode == FM_SCALE_BLOCK_128x128) ||
                            (CE && cmode == FM_SCALE_BLOCK_128x128);
@@ -369,11 +373,24 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
             const bool vs = full && orow.vec;
 #pragma unroll
             for (int k = 0; k < 8; k++) {
-                float y[8];
+                uint2 code;
+                if (PK) {
+                    /* E2M1 blocks are MX32: a power-of-two multiplier, and the
+                     * BF16 pairs encode packed (fm_bf16x2_e2m1) */
+                    const uint32_t mul = fm_e2m1_mul2(mult[k], mult[k]), me = fm_e2m1_mexp(mul);
+                    uint32_t c[4];
 #pragma unroll
-                for (int j = 0; j < 8; j++)
-                    y[j] = tval<IN>(v, k, j) * mult[k];
-                uint2 code = fm_encode8<RE>(y);
+                    for (int q = 0; q < 4; q++)
+                        c[q] = fm_bf16x2_e2m1(v[k][q], mul, me);
+                    code.x = fm_e2m1_pairs_row(c);
+                    code.y = 0;
+                } else {
+                    float y[8];
+#pragma unroll
+                    for (int j = 0; j < 8; j++)
+                        y[j] = tval<IN>(v, k, j) * mult[k];
+                    code = fm_encode8<RE>(y);
+                }
                 if (mult[k] != mult[k])
                     code.x = code.y = fm_nan_word<RE>();
                 const int64_t rr = rb + k;
@@ -466,20 +483,39 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
             }
 
             const int u = w * 2 + hr; /* this thread's 8-row unit of the tile column */
+            if (PK) {
+                /* packed as in the row-wise output; a word holds columns 2q, 2q + 1 */
 #pragma unroll
-            for (int j = 0; j < 8; j++) {
-                float y[8];
+                for (int q = 0; q < 4; q++) {
+                    const uint32_t mul = fm_e2m1_mul2(cm[2 * q], cm[2 * q + 1]), me = fm_e2m1_mexp(mul);
+                    uint32_t c8[8], code[2];
 #pragma unroll
-                for (int k = 0; k < 8; k++)
-                    y[k] = tval<IN>(v, k, j) * cm[j];
-                uint2 code = fm_encode8<CE>(y);
-                if (cm[j] != cm[j])
-                    code.x = code.y = fm_nan_word<CE>();
-                const int c = cv * 8 + j, f = (c >> 3) & 15;
-                if (CE == FM_DTYPE_E2M1)
-                    *(uint32_t *)(tsm + c * 128 + 4 * (((u ^ f) & 15) | (((u ^ c) & 1) << 4))) = code.x;
-                else
-                    *(uint2 *)(tsm + c * 128 + 8 * ((u ^ f) & 15)) = code;
+                    for (int k = 0; k < 8; k++)
+                        c8[k] = fm_bf16x2_e2m1(v[k][q], mul, me);
+                    fm_e2m1_pairs_cols(c8, &code[0], &code[1]);
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const int j = 2 * q + h, c = cv * 8 + j, f = (c >> 3) & 15;
+                        *(uint32_t *)(tsm + c * 128 + 4 * (((u ^ f) & 15) | (((u ^ c) & 1) << 4))) =
+                            cm[j] != cm[j] ? fm_nan_word<CE>() : code[h];
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    float y[8];
+#pragma unroll
+                    for (int k = 0; k < 8; k++)
+                        y[k] = tval<IN>(v, k, j) * cm[j];
+                    uint2 code = fm_encode8<CE>(y);
+                    if (cm[j] != cm[j])
+                        code.x = code.y = fm_nan_word<CE>();
+                    const int c = cv * 8 + j, f = (c >> 3) & 15;
+                    if (CE == FM_DTYPE_E2M1)
+                        *(uint32_t *)(tsm + c * 128 + 4 * (((u ^ f) & 15) | (((u ^ c) & 1) << 4))) = code.x;
+                    else
+                        *(uint2 *)(tsm + c * 128 + 8 * ((u ^ f) & 15)) = code;
+                }
             }
             __syncthreads();
 

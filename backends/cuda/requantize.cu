@@ -1437,10 +1437,7 @@ FM_DI uint32_t rq_fp8_e2m1x8(uint32_t w0, uint32_t w1, uint32_t hm)
         c[q] = (sb - mb + ((mb - 0x48004800u) >> 9)) | ((h >> 12) & 0x00080008u);
     }
     /* c[q]: element 2q in bits 0-3, 2q + 1 in bits 16-19 */
-    uint32_t x = c[0] | (c[1] << 8), y = c[2] | (c[3] << 8);
-    x |= x >> 12;
-    y |= y >> 12;
-    return __byte_perm(x, y, 0x5410);
+    return fm_e2m1_pairs_row(c);
 }
 
 /* BI, BO: the input and output block widths when compiled in (both scale

@@ -4,6 +4,9 @@
  * for ALL 2^32 F32 bit patterns (NaN excepted for the three element encoders:
  * every kernel path that could meet a NaN writes the NaN code itself), and
  * the decoders (every FP8 code, every E2M1 nibble, every F16 value); and
+ * the packed BF16 -> E2M1 encoder (fm_bf16x2_e2m1) gives fm_e2m1_from_f32 of
+ * the F32 product for every BF16 value and every MX32 multiplier 2^k that
+ * a block holding it can have (|x| 2^k < 8), in both halves of the pair; and
  * fm_pick_scale_pow2 (the POW2 scale pick of the fused SwiGLU kernels) gives
  * fm_pick_scale's multiplier, F32 scale and E8M0 scale for every block
  * maximum (all 2^31 non-negative patterns and the NaNs, with eps 0 and 2^-40). */
@@ -84,6 +87,34 @@ __global__ void enc_kernel(unsigned long long *bad, unsigned int *first)
     }
 }
 
+/* The expected code of BF16 x times 2^k, or 16 where no block can hold the
+ * pair (|x| 2^k >= 8, or x not finite). */
+__device__ uint32_t bf16_e2m1_want(uint32_t x, int k)
+{
+    const float f = __uint_as_float(x << 16), y = f * fm_exp2i(k);
+    if (!(fabsf(f) <= 3.4e38f) || !(fabsf(y) < 8.0f))
+        return 16;
+    return fm_e2m1_from_f32(y);
+}
+
+/* Every BF16 x (the low half) with every k in [-126, 127]; the high half
+ * holds another pattern and another k so that both halves see every case. */
+__global__ void bf16_e2m1_kernel(unsigned long long *bad, unsigned int *first)
+{
+    const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= 65536u * 254u)
+        return;
+    const uint32_t xl = i & 0xFFFFu, xh = (xl * 40503u + 12345u) & 0xFFFFu;
+    const int kl = (int)(i >> 16) - 126, kh = (int)(((i >> 16) * 97u + (i & 0xFFu)) % 254u) - 126;
+    const uint32_t mul = fm_e2m1_mul2(fm_exp2i(kl), fm_exp2i(kh));
+    const uint32_t got = fm_bf16x2_e2m1(xl | (xh << 16), mul, fm_e2m1_mexp(mul));
+    const uint32_t wl = bf16_e2m1_want(xl, kl), wh = bf16_e2m1_want(xh, kh);
+    if ((wl < 16 && (got & 0xFu) != wl) || (wh < 16 && ((got >> 16) & 0xFu) != wh) || (got & 0xFFF0FFF0u)) {
+        if (atomicAdd(bad, 1ull) == 0)
+            *first = i;
+    }
+}
+
 __global__ void dec_kernel(unsigned long long *bad)
 {
     const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -128,6 +159,8 @@ int main(void)
     GT_CUDA(cudaGetLastError());
     dec_kernel<<<256, 256>>>(bad + 8);
     GT_CUDA(cudaGetLastError());
+    bf16_e2m1_kernel<<<65536u * 254u / 256u, 256>>>(bad + 12, first + 12);
+    GT_CUDA(cudaGetLastError());
     GT_CUDA(cudaDeviceSynchronize());
     unsigned long long h[16];
     unsigned int f[16];
@@ -144,6 +177,9 @@ int main(void)
         GT_CHECK(h[8 + k] == 0, "decode %s: %llu mismatches", dec[k], h[8 + k]);
         printf("  decode %-22s every code: %llu mismatches\n", dec[k], h[8 + k]);
     }
+    GT_CHECK(h[12] == 0, "bf16x2 -> e2m1 (packed): %llu of 65536 x 254 pairs differ from format.h; first index %u", h[12],
+             f[12]);
+    printf("  encode %-22s every BF16 x every MX32 multiplier: %llu mismatches\n", "bf16x2 -> e2m1 packed", h[12]);
     cudaFree(bad);
     cudaFree(first);
     fm_context_destroy(ctx);
