@@ -255,7 +255,7 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
     constexpr bool TM = (MODE & QTM_FLAG) != 0;
     /* BF16 into E2M1 outputs only: encode packed pairs (fm_bf16x2_e2m1). With
      * an FP8 output beside, the F32 path, which keeps those kernels within 64
-     * registers (the packed one spills 8-22 bytes there). */
+     * registers (the packed one spilled 8-22 bytes there when tried). */
     constexpr bool PK = IN == FM_DTYPE_BF16 && (RE == FM_DTYPE_E2M1 || !RE) && (CE == FM_DTYPE_E2M1 || !CE);
     const int rmode = BM ? BM : orow.mode, cmode = BM ? BM : ocol.mode;
     const bool need_tmax = p.amax || (RE && rmode == FM_SCALE_BLOCK_128x128) ||
