@@ -229,6 +229,15 @@ static __device__ __forceinline__ void count_bad(const qparams &p, uint32_t abit
  * store hold columns cv*8 + j for one j, which then fall in 16 banks. */
 static __device__ __forceinline__ int pcol(int c) { return (c & 7) * 16 + (c >> 3); }
 
+/* Byte offset in the column-code tile (tsm) of the E2M1 word of tile column
+ * c and 8-row unit u: 4-byte units XOR-swizzled by the column's 8-column
+ * group and parity, so that both the encode's writes and the store pass's
+ * reads avoid bank conflicts. */
+static __device__ __forceinline__ int tsm_e2m1_off(int c, int u)
+{
+    return c * 128 + 4 * (((u ^ (c >> 3)) & 15) | (((u ^ c) & 1) << 4));
+}
+
 /* MODE & ~QTM_FLAG: 0 reads each output's scaling mode at run time; FM_SCALE_BLOCK_1x128 or
  * FM_SCALE_MX32 promises that every output present has that mode, so the
  * compiler drops the other modes' code and the predicates it keeps live (the
@@ -495,9 +504,8 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                     fm_e2m1_pairs_cols(c8, &code[0], &code[1]);
 #pragma unroll
                     for (int h = 0; h < 2; h++) {
-                        const int j = 2 * q + h, c = cv * 8 + j, f = (c >> 3) & 15;
-                        *(uint32_t *)(tsm + c * 128 + 4 * (((u ^ f) & 15) | (((u ^ c) & 1) << 4))) =
-                            cm[j] != cm[j] ? fm_nan_word<CE>() : code[h];
+                        const int j = 2 * q + h;
+                        *(uint32_t *)(tsm + tsm_e2m1_off(cv * 8 + j, u)) = cm[j] != cm[j] ? fm_nan_word<CE>() : code[h];
                     }
                 }
             } else {
@@ -512,7 +520,7 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                         code.x = code.y = fm_nan_word<CE>();
                     const int c = cv * 8 + j, f = (c >> 3) & 15;
                     if (CE == FM_DTYPE_E2M1)
-                        *(uint32_t *)(tsm + c * 128 + 4 * (((u ^ f) & 15) | (((u ^ c) & 1) << 4))) = code.x;
+                        *(uint32_t *)(tsm + tsm_e2m1_off(c, u)) = code.x;
                     else
                         *(uint2 *)(tsm + c * 128 + 8 * ((u ^ f) & 15)) = code;
                 }
@@ -524,8 +532,8 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
             if (CE == FM_DTYPE_E2M1) {
 #pragma unroll
                 for (int pass = 0; pass < 8; pass++) {
-                    const int idx = tid + pass * QTHREADS, c = idx >> 4, uu = idx & 15, f = (c >> 3) & 15;
-                    uint32_t word = *(const uint32_t *)(tsm + c * 128 + 4 * (((uu ^ f) & 15) | (((uu ^ c) & 1) << 4)));
+                    const int idx = tid + pass * QTHREADS, c = idx >> 4, uu = idx & 15;
+                    uint32_t word = *(const uint32_t *)(tsm + tsm_e2m1_off(c, uu));
                     const int64_t sr = c0 + c, sc = r0 + 8 * uu; /* stored row, first stored column */
                     if (vs) {
                         __stcs((unsigned int *)(dst + (sr * p.rows + sc) / 2), word);
