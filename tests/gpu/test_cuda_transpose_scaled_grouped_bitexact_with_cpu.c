@@ -99,6 +99,9 @@ static void same_outcome(fm_context *gpu, const char *cs, fm_status stc, const c
         GT_CHECK(!strcmp(cmsg, gmsg), "%s: cpu says '%s', gpu '%s'", cs, cmsg, gmsg);
         same_dev(hod, od, nod, guard, "codes of a refused call", cs);
         same_dev(hos, os, nos, guard, "scales of a refused call", cs);
+        int64_t poison; /* dev_copy's fill */
+        memset(&poison, 0xA5, sizeof poison);
+        same_dev(&poison, dbad, 8, 0, "nonfinite_blocks of a refused call", cs);
     }
 }
 
