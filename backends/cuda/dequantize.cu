@@ -23,6 +23,7 @@ typedef struct dqparams {
     fm_fastdiv gpr;        /* streaming: units per stored row */
     fm_fastdiv rdiv;       /* streaming: R */
     int64_t ntr, ntc, ntiles;
+    fm_fastdiv ntrd, ntcd; /* tile kernel: ntr, ntc for fm_tile_place (ntiles < 2^31) */
     int vec_in, vec_out;
 } dqparams;
 
@@ -169,8 +170,9 @@ __global__ void __launch_bounds__(256) dequant_tile_kernel(const dqparams p)
     __shared__ float tile[DT][DT + 1];
     const int tid = threadIdx.x;
     for (int64_t t = blockIdx.x; t < p.ntiles; t += gridDim.x) {
-        const int64_t tc = t % p.ntc, tq = t / p.ntc, tr = tq % p.ntr, e = tq / p.ntr;
-        const int64_t r0 = tr * DT, c0 = tc * DT;
+        uint32_t eu, tru, tcu;
+        fm_tile_place(p.ntcd, p.ntrd, (uint32_t)t, &eu, &tru, &tcu);
+        const int64_t e = eu, r0 = (int64_t)tru * DT, c0 = (int64_t)tcu * DT;
         const bool full = r0 + DT <= p.R && c0 + DT <= p.C;
 
         /* Load: 16 codes of one stored row per thread. */
@@ -337,6 +339,16 @@ extern "C" fm_status fm_cuda_dequantize(fm_context *ctx, const fm_tensor *in, fm
     p.ntr = fm_cdiv(p.R, DT);
     p.ntc = fm_cdiv(p.C, DT);
     p.ntiles = p.E * p.ntr * p.ntc;
+    if (!stream_path) {
+        if (p.ntiles >= ((int64_t)1 << 31)) {
+            fm_cuda_leave(ctx, &guard, cudaSuccess, NULL);
+            return fm_error(ctx, FM_ERR_UNSUPPORTED,
+                            "fm_dequantize: %lld tiles of 64 x 64 exceed the kernel's 31-bit tile index",
+                            (long long)p.ntiles);
+        }
+        p.ntrd = fm_fastdiv_make((uint32_t)p.ntr);
+        p.ntcd = fm_fastdiv_make((uint32_t)p.ntc);
+    }
     p.vec_in = (fp4 ? p.C % 16 == 0 && (uintptr_t)in->data % 8 == 0 : p.C % 16 == 0 && (uintptr_t)in->data % 16 == 0);
     p.vec_out = OC % 8 == 0 && (uintptr_t)out->data % 16 == 0;
 

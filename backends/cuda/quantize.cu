@@ -59,6 +59,7 @@ typedef struct qout {
 typedef struct qparams {
     const void *in;
     int64_t E, rows, cols, ntr, ntc, ntiles;
+    fm_fastdiv ntrd, ntcd; /* ntr, ntc for fm_tile_place (ntiles < 2^31) */
     int vec_in;
     float eps;
     uint32_t *amax;                   /* cfg->amax as bits, or NULL */
@@ -271,8 +272,15 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                            (CE && cmode == FM_SCALE_BLOCK_128x128);
 
     for (int64_t t = blockIdx.x; t < p.ntiles; t += gridDim.x) {
-        const int64_t tc = t % p.ntc, tq = t / p.ntc, tr = tq % p.ntr, e = tq / p.ntr;
-        const int64_t r0 = tr * QT, c0 = tc * QT;
+        int64_t e, r0, c0;
+        if (BM || IN != FM_DTYPE_BF16) {
+            uint32_t eu, tru, tcu;
+            fm_tile_place(p.ntcd, p.ntrd, (uint32_t)t, &eu, &tru, &tcu);
+            e = eu, r0 = (int64_t)tru * QT, c0 = (int64_t)tcu * QT;
+        } else { /* the BF16 kernels of a run-time mode spill 4-8 bytes at 80 registers with it */
+            const int64_t tq = t / p.ntc;
+            e = tq / p.ntr, r0 = (tq % p.ntr) * QT, c0 = (t % p.ntc) * QT;
+        }
         const bool full = r0 + QT <= p.rows && c0 + QT <= p.cols;
         const int64_t rb = r0 + w * 16 + hr * 8, cb = c0 + cv * 8;
 
@@ -579,6 +587,7 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
 typedef struct ppparams {
     const void *in;
     int64_t E, rows, cols, ntr, ntc, ntiles;
+    fm_fastdiv ntrd, ntcd;
     int vec_in;
     uint32_t *tmax[2];   /* per expert, for a TENSOR output (row-wise, column-wise) */
     uint32_t *rmax;      /* per logical row, for a row-wise ROW output */
@@ -597,7 +606,9 @@ __global__ void __launch_bounds__(QTHREADS, 2) quant_amax_kernel(const ppparams 
     p.rows = pp.rows;
     p.cols = pp.cols;
     for (int64_t t = blockIdx.x; t < pp.ntiles; t += gridDim.x) {
-        const int64_t tc = t % pp.ntc, tq = t / pp.ntc, tr = tq % pp.ntr, e = tq / pp.ntr;
+        uint32_t eu, tru, tcu;
+        fm_tile_place(pp.ntcd, pp.ntrd, (uint32_t)t, &eu, &tru, &tcu);
+        const int64_t tc = tcu, tr = tru, e = eu;
         const int64_t r0 = tr * QT, c0 = tc * QT;
         const bool full = r0 + QT <= pp.rows && c0 + QT <= pp.cols;
         const int64_t rb = r0 + w * 16 + hr * 8;
@@ -891,6 +902,16 @@ extern "C" fm_status fm_cuda_quantize(fm_context *ctx, const fm_quant_config *cf
     p.ntr = fm_cdiv(rows, QT);
     p.ntc = fm_cdiv(cols, QT);
     p.ntiles = numel ? E * p.ntr * p.ntc : 0;
+    if (p.ntiles >= ((int64_t)1 << 31)) {
+        fm_cuda_leave(ctx, &guard, cudaSuccess, NULL);
+        return fm_error(ctx, FM_ERR_UNSUPPORTED,
+                        "fm_quantize: %lld tiles of 128 x 128 exceed the kernel's 31-bit tile index",
+                        (long long)p.ntiles);
+    }
+    if (p.ntiles) {
+        p.ntrd = fm_fastdiv_make((uint32_t)p.ntr);
+        p.ntcd = fm_fastdiv_make((uint32_t)p.ntc);
+    }
     p.vec_in = cols % 8 == 0 && (uintptr_t)in->data % 16 == 0;
     p.eps = cfg->epsilon;
     p.amax = (uint32_t *)cfg->amax;
@@ -962,6 +983,8 @@ extern "C" fm_status fm_cuda_quantize(fm_context *ctx, const fm_quant_config *cf
             pp.cols = cols;
             pp.ntr = p.ntr;
             pp.ntc = p.ntc;
+            pp.ntrd = p.ntrd;
+            pp.ntcd = p.ntcd;
             pp.ntiles = p.ntiles;
             pp.vec_in = p.vec_in;
             for (int k = 0; k < 2; k++)
