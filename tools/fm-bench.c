@@ -174,7 +174,7 @@ static void fill_device(void *d, fm_dtype t, size_t n)
 
 /* ---- cases ---------------------------------------------------------------- */
 
-typedef enum { OP_QUANT, OP_DEQUANT, OP_SLC, OP_TRANSPOSE, OP_CONVERT, OP_NAIVE, OP_TRANSPOSE_GROUPED, OP_TRANSPOSE_GROUPED128, OP_TRANSPOSE_ROWS } op_kind;
+typedef enum { OP_QUANT, OP_CAST, OP_DEQUANT, OP_SLC, OP_TRANSPOSE, OP_CONVERT, OP_NAIVE, OP_TRANSPOSE_GROUPED, OP_TRANSPOSE_GROUPED128, OP_TRANSPOSE_ROWS } op_kind;
 
 /* 8 ragged experts over 32768 rows (none a multiple of 128) for the grouped transpose. */
 static const int64_t bench_split_sizes[8] = {4000, 5000, 3000, 6000, 2500, 4500, 3768, 4000};
@@ -224,6 +224,9 @@ static const bcase cases[] = {
     {"quantize BF16->E4M3 ROW row (amax pass + encode)", OP_QUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_ROW, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0, 0, 0, 0, 0},
     {"quantize F32->E4M3 1x128 row+col", OP_QUANT, 1, 16384, 7168, FM_DTYPE_F32, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, 0, 0, 0, 0},
     {"quantize BF16->E4M3 1x128 row+col, 8 experts", OP_QUANT, 8, 4096, 2048, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, 0, 0, 0, 0},
+    /* the bf16 and fp8-blockwise layers' per-step x and dy cast ([T, H] F32 -> BF16) */
+    {"cast F32 -> BF16 (the bf16 layer's x and dy)", OP_CAST, 1, 4096, 7168, FM_DTYPE_F32, FM_DTYPE_BF16, FM_SCALE_NONE, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0, 0, 0, 0, 0},
+    {"cast F32 -> BF16", OP_CAST, 1, 32768, 7168, FM_DTYPE_F32, FM_DTYPE_BF16, FM_SCALE_NONE, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0, 0, 0, 0, 0},
     {"dequantize E4M3 1x128 -> BF16", OP_DEQUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0.85, 0, 0, 0, 0},
     {"dequantize E4M3 MX32 -> BF16", OP_DEQUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0.85, 0, 0, 0, 0},
     {"dequantize E2M1 MX32 -> BF16", OP_DEQUANT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E2M1, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0.85, 0, 0, 0, 0},
@@ -278,7 +281,9 @@ static void run_fn(void *p, int rep)
     const fm_requant_config rq = {
         .rule = a->c->out_mode == FM_SCALE_BLOCK_128x128 ? FM_REQUANT_ROWMAX : FM_REQUANT_TIGHT,
         .trusted_pow2_scales = a->c->trusted};
-    if (a->c->op == OP_QUANT)
+    if (a->c->op == OP_CAST)
+        st = fm_cast(a->ctx, &a->in[k], &a->out[k]);
+    else if (a->c->op == OP_QUANT)
         st = fm_quantize(a->ctx, &a->qc, &a->in[k], a->c->row ? &a->qrow[k] : NULL, a->c->col ? &a->qcol[k] : NULL);
     else if (a->c->op == OP_TRANSPOSE)
         st = fm_transpose_scaled(a->ctx, &rq, &a->qrow[k], &a->out[k]);
@@ -1576,10 +1581,15 @@ int main(int argc, char **argv)
         a.ctx = ctx;
         a.c = c;
         int64_t numel = c->E * c->rows * c->cols;
-        int64_t in_bytes = c->op == OP_QUANT ? numel * (fm_dtype_bits(c->in) / 8) : numel * fm_dtype_bits(c->elem) / 8;
+        int64_t in_bytes = c->op == OP_QUANT || c->op == OP_CAST ? numel * (fm_dtype_bits(c->in) / 8)
+                                                                 : numel * fm_dtype_bits(c->elem) / 8;
         a.nrot = in_bytes * 2 > (int64_t)prop.l2CacheSize * 4 ? 2 : NROT;
         for (int k = 0; k < a.nrot; k++) {
-            if (c->op == OP_QUANT) {
+            if (c->op == OP_CAST) {
+                a.in[k] = shaped(c, dalloc(numel * (fm_dtype_bits(c->in) / 8)), c->in);
+                fill_device(a.in[k].data, c->in, (size_t)numel);
+                a.out[k] = shaped(c, dalloc(numel * (fm_dtype_bits(c->elem) / 8)), c->elem);
+            } else if (c->op == OP_QUANT) {
                 a.in[k] = shaped(c, dalloc(numel * (fm_dtype_bits(c->in) / 8)), c->in);
                 fill_device(a.in[k].data, c->in, (size_t)numel);
                 /* The outputs rotate too: both live beyond L2 across reps. */
@@ -1669,7 +1679,7 @@ int main(int argc, char **argv)
                 cudaFree(a.in[k].data);
             free_t(&a.qrow[k]);
             free_t(&a.qcol[k]);
-            if (c->op == OP_DEQUANT) {
+            if (c->op == OP_DEQUANT || c->op == OP_CAST) {
                 if (a.out[k].data)
                     cudaFree(a.out[k].data);
             } else if (c->op == OP_SLC && a.out[k].scale) {
