@@ -412,10 +412,13 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                     code.x = code.y = fm_nan_word<RE>();
                 const int64_t rr = rb + k;
                 if (vs) {
+                    /* unsigned: the halving is a shift (cols % 8 == 0 here) */
+                    const uint64_t off = (uint64_t)rr * (uint64_t)p.cols + (uint64_t)cb;
+                    uint8_t *const d = orow.data + e * orow.code_bytes;
                     if (RE == FM_DTYPE_E2M1)
-                        __stcs((unsigned int *)(orow.data + e * orow.code_bytes + (rr * p.cols + cb) / 2), code.x);
+                        __stcs((unsigned int *)(d + (off >> 1)), code.x);
                     else
-                        __stcs((uint2 *)(orow.data + e * orow.code_bytes + rr * p.cols + cb), code);
+                        __stcs((uint2 *)(d + off), code);
                 } else if (rr < p.rows) {
                     uint8_t *dst = orow.data + e * orow.code_bytes;
                     if (RE == FM_DTYPE_E2M1) {
@@ -538,13 +541,15 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
             const bool vs = full && ocol.vec;
             uint8_t *dst = ocol.data + e * ocol.code_bytes;
             if (CE == FM_DTYPE_E2M1) {
+                /* vs: a pass moves 16 stored rows on (rows % 8 == 0) */
+                uint8_t *const cbase = dst + ((c0 + (tid >> 4)) * p.rows + r0 + 8 * (tid & 15)) / 2;
 #pragma unroll
                 for (int pass = 0; pass < 8; pass++) {
                     const int idx = tid + pass * QTHREADS, c = idx >> 4, uu = idx & 15;
                     uint32_t word = *(const uint32_t *)(tsm + tsm_e2m1_off(c, uu));
                     const int64_t sr = c0 + c, sc = r0 + 8 * uu; /* stored row, first stored column */
                     if (vs) {
-                        __stcs((unsigned int *)(dst + (sr * p.rows + sc) / 2), word);
+                        __stcs((unsigned int *)(cbase + pass * 8 * p.rows), word);
                     } else if (sr < p.cols) {
 #pragma unroll
                         for (int b = 0; b < 4; b++)
@@ -553,6 +558,8 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                     }
                 }
             } else {
+                /* vs: a pass moves 32 stored rows on */
+                uint8_t *const cbase = dst + (c0 + (tid >> 3)) * p.rows + r0 + 16 * (tid & 7);
 #pragma unroll
                 for (int pass = 0; pass < 4; pass++) {
                     const int idx = tid + pass * QTHREADS, c = idx >> 3, qq = idx & 7, f = (c >> 3) & 15;
@@ -567,7 +574,7 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                     }
                     const int64_t sr = c0 + c, sc = r0 + 16 * qq;
                     if (vs) {
-                        __stcs((uint4 *)(dst + sr * p.rows + sc), val);
+                        __stcs((uint4 *)(cbase + pass * 32 * p.rows), val);
                     } else if (sr < p.cols) {
                         uint32_t wd[4] = {val.x, val.y, val.z, val.w};
 #pragma unroll
