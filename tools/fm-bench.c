@@ -198,8 +198,8 @@ typedef struct bcase {
     const char *name;
     op_kind op;
     int64_t E, rows, cols;
-    fm_dtype in;             /* quantize: input dtype; dequantize: output dtype */
-    fm_dtype elem;           /* element dtype of the quantized side */
+    fm_dtype in;             /* quantize, cast: input dtype; dequantize: output dtype */
+    fm_dtype elem;           /* element dtype of the quantized side; cast: output dtype */
     fm_scale_mode mode;
     fm_scale_layout sl;
     int row, col;            /* quantize: outputs; dequantize: row = in rowwise, col = transposing */

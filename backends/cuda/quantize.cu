@@ -411,16 +411,15 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                 if (mult[k] != mult[k])
                     code.x = code.y = fm_nan_word<RE>();
                 const int64_t rr = rb + k;
+                uint8_t *const dst = orow.data + e * orow.code_bytes;
                 if (vs) {
                     /* unsigned: the halving is a shift (cols % 8 == 0 here) */
                     const uint64_t off = (uint64_t)rr * (uint64_t)p.cols + (uint64_t)cb;
-                    uint8_t *const d = orow.data + e * orow.code_bytes;
                     if (RE == FM_DTYPE_E2M1)
-                        __stcs((unsigned int *)(d + (off >> 1)), code.x);
+                        __stcs((unsigned int *)(dst + (off >> 1)), code.x);
                     else
-                        __stcs((uint2 *)(d + off), code);
+                        __stcs((uint2 *)(dst + off), code);
                 } else if (rr < p.rows) {
-                    uint8_t *dst = orow.data + e * orow.code_bytes;
                     if (RE == FM_DTYPE_E2M1) {
 #pragma unroll
                         for (int j = 0; j < 8; j += 2)

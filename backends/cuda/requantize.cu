@@ -138,11 +138,11 @@ template <bool G>
 FM_DI rqtile rq_tile(const rqparams &p, uint32_t t)
 {
     rqtile k;
-    const uint32_t tq = fm_fastdiv_div(p.ntc, t);
-    k.c0 = (int64_t)(t - tq * p.ntc.d) * RQT;
     if (!G) {
-        const uint32_t te = fm_fastdiv_div(p.ntr, tq);
-        k.r0 = (int64_t)(tq - te * p.ntr.d) * RQT;
+        uint32_t te, tr, tc;
+        fm_tile_place(p.ntc, p.ntr, t, &te, &tr, &tc);
+        k.c0 = (int64_t)tc * RQT;
+        k.r0 = (int64_t)tr * RQT;
         k.R = p.R;
         k.srow = 0;
         k.sin0 = te * p.sin;
@@ -153,6 +153,8 @@ FM_DI rqtile rq_tile(const rqparams &p, uint32_t t)
         k.out = p.out + te * p.ob;
         k.vec_out = p.vec_out;
     } else {
+        const uint32_t tq = fm_fastdiv_div(p.ntc, t); /* tile row over all groups */
+        k.c0 = (int64_t)(t - tq * p.ntc.d) * RQT;
         /* The last group starting at or before tile row tq: an empty group
          * starts where its successor does, so the search passes it over. */
         int lo = 0, hi = (int)p.groups - 1;
@@ -1484,10 +1486,9 @@ FM_DI void rq_rows_load(const rqparams &p, uint32_t sg, rqseg<NW> &g)
         g.raw = 0, g.te = 0, g.r = 0, g.c = 0;
         return;
     }
-    const uint32_t row = fm_fastdiv_div(p.ntc, sg); /* stored row over all experts */
-    g.te = fm_fastdiv_div(p.ntr, row);
-    g.r = row - g.te * p.ntr.d;
-    g.c = (sg - row * p.ntc.d) << 5;
+    uint32_t cs; /* the segment's place: expert, stored row, segment in the row */
+    fm_tile_place(p.ntc, p.ntr, sg, &g.te, &g.r, &cs);
+    g.c = cs << 5;
     const int64_t el = (int64_t)sg << 5; /* segments tile the rows: element index = 32 sg */
     const int64_t so =
         rq_scale_off(p.in_mode, RQS_IN_LAYOUT, p.R, p.C, p.nbi, RQS_BI_SHIFT, (int64_t)g.te * p.sin, g.r, g.c);
