@@ -271,6 +271,11 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
     const bool need_tmax = p.amax || (RE && rmode == FM_SCALE_BLOCK_128x128) ||
                            (CE && cmode == FM_SCALE_BLOCK_128x128);
 
+    /* The scatter that follows a tile-major launch may start its CTAs (they
+     * wait at griddepcontrol.wait) once every tile CTA has started: its
+     * launch then overlaps this grid's last wave. */
+    if constexpr (TM)
+        asm volatile("griddepcontrol.launch_dependents;");
     for (int64_t t = blockIdx.x; t < p.ntiles; t += gridDim.x) {
         int64_t e, r0, c0;
         if (BM || IN != FM_DTYPE_BF16) {
@@ -731,62 +736,82 @@ __global__ void quant_aux_kernel(const auxparams a)
 typedef struct qscatter {
     const uint32_t *tm;
     uint32_t *dst[2];
-    int64_t ntr, ntc;
-    int64_t lim[2];   /* stored rows of each output */
-    int64_t perw[2];  /* words per expert */
-    int64_t items[2]; /* E x bands x ceil(tiles along a band / 32) */
+    uint32_t ntr, ntc; /* tile rows and columns an expert (ntiles < 2^31) */
+    uint32_t items[2]; /* E x bands x ceil(tiles along a band / 32) */
+    int64_t lim[2];    /* stored rows of each output */
+    int64_t perw[2];   /* words per expert */
 } qscatter;
 
-/* The first tile-major word of tile b along band a of expert e, in `part`. */
-static __device__ __forceinline__ const uint32_t *qscatter_tile(const qscatter &s, int part, int64_t e, int64_t a,
-                                                                int64_t b)
-{
-    const int64_t tile = part ? (e * s.ntr + b) * s.ntc + a : (e * s.ntr + a) * s.ntc + b;
-    return s.tm + tile * (QTM_TILE / 4) + part * 128;
-}
-
-__global__ void __launch_bounds__(256) quant_scale_scatter_kernel(const qscatter s)
+/* 32-bit indices (tile counts are below 2^31) and at most 32 registers, so
+ * that 8 CTAs an SM hold all of a [32768, 7168] matrix's 960 items at once:
+ * with 64-bit indices it took 73 registers, 3 CTAs an SM, and ran at 31%
+ * of DRAM bandwidth in 20 us (Nsight Compute S17-1). */
+__global__ void __launch_bounds__(256, 8) quant_scale_scatter_kernel(const qscatter s)
 {
     __shared__ uint32_t sm[32][129];
-    for (int64_t it = blockIdx.x; it < s.items[0] + s.items[1]; it += gridDim.x) {
-        const int part = it >= s.items[0];
-        const int64_t k = part ? it - s.items[0] : it;
-        const int64_t A = part ? s.ntc : s.ntr, B = part ? s.ntr : s.ntc, nbc = (B + 31) / 32;
-        const int64_t b0 = (k % nbc) * 32, a = (k / nbc) % A, e = k / nbc / A;
+    asm volatile("griddepcontrol.wait;" ::: "memory"); /* the tile kernel's scales (a PDL launch) */
+    const uint32_t n0 = s.items[0], n = n0 + s.items[1], tid = threadIdx.x;
+    for (uint32_t it = blockIdx.x; it < n; it += gridDim.x) {
+        const int part = it >= n0;
+        const uint32_t k = part ? it - n0 : it;
+        const uint32_t A = part ? s.ntc : s.ntr, B = part ? s.ntr : s.ntc, nbc = (B + 31) / 32;
+        const uint32_t b0 = (k % nbc) * 32, ka = k / nbc, a = ka % A, e = ka / A;
         const int nb = B - b0 < 32 ? (int)(B - b0) : 32;
-        uint32_t *dst = s.dst[part] + e * s.perw[part];
+        /* tile-major words of tile b0 + bb along the band: tile0 + bb * tstep tiles on */
+        const uint32_t tile0 = part ? (e * s.ntr + b0) * s.ntc + a : (e * s.ntr + a) * s.ntc + b0;
+        const uint32_t tstep = part ? s.ntc : 1u;
+        const uint32_t *src = s.tm + (size_t)tile0 * (QTM_TILE / 4) + part * 128;
+        /* fields by ternary, not [part]: an indexed kernel parameter goes through a local copy */
+        const int64_t lim = part ? s.lim[1] : s.lim[0];
+        uint32_t *dst = (part ? s.dst[1] : s.dst[0]) + (int64_t)e * (part ? s.perw[1] : s.perw[0]) + b0;
         if (nb % 4 == 0 && B % 4 == 0 && (uintptr_t)dst % 16 == 0) {
             /* 16-byte units both ways (S14-10: the kernel 24.5 -> 19.8 us) */
-            for (int idx = threadIdx.x; idx < nb * 32; idx += 256) {
-                const int bb = idx >> 5, q = idx & 31;
-                const uint4 v = *(const uint4 *)(qscatter_tile(s, part, e, a, b0 + bb) + 4 * q);
-                sm[bb][4 * q] = v.x;
-                sm[bb][4 * q + 1] = v.y;
-                sm[bb][4 * q + 2] = v.z;
-                sm[bb][4 * q + 3] = v.w;
+            const uint32_t q = tid & 31;
+            if (nb == 32) { /* a whole item: a thread's four loads in flight together */
+                uint4 v[4];
+#pragma unroll
+                for (int u = 0; u < 4; u++)
+                    v[u] = *(const uint4 *)(src + (size_t)(((tid >> 5) + 8 * u) * tstep) * (QTM_TILE / 4) + 4 * q);
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    const int bb = (tid >> 5) + 8 * u;
+                    sm[bb][4 * q] = v[u].x;
+                    sm[bb][4 * q + 1] = v[u].y;
+                    sm[bb][4 * q + 2] = v[u].z;
+                    sm[bb][4 * q + 3] = v[u].w;
+                }
+            } else {
+                for (int bb = tid >> 5; bb < nb; bb += 8) {
+                    const uint4 v = *(const uint4 *)(src + (size_t)(bb * tstep) * (QTM_TILE / 4) + 4 * q);
+                    sm[bb][4 * q] = v.x;
+                    sm[bb][4 * q + 1] = v.y;
+                    sm[bb][4 * q + 2] = v.z;
+                    sm[bb][4 * q + 3] = v.w;
+                }
             }
             __syncthreads();
-            for (int idx = threadIdx.x; idx < 128 * 8; idx += 256) {
-                const int i = idx >> 3, q = idx & 7;
-                const int64_t row = a * 128 + i;
-                if (4 * q < nb && row < s.lim[part])
-                    *(uint4 *)(dst + row * B + b0 + 4 * q) =
-                        make_uint4(sm[4 * q][i], sm[4 * q + 1][i], sm[4 * q + 2][i], sm[4 * q + 3][i]);
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const uint32_t i = (tid >> 3) + 32 * u, c = tid & 7;
+                const int64_t row = (int64_t)a * 128 + i;
+                if (4 * (int)c < nb && row < lim)
+                    *(uint4 *)(dst + row * B + 4 * c) =
+                        make_uint4(sm[4 * c][i], sm[4 * c + 1][i], sm[4 * c + 2][i], sm[4 * c + 3][i]);
             }
             __syncthreads();
             continue;
         }
-        for (int idx = threadIdx.x; idx < 32 * 128; idx += 256) {
-            const int bb = idx >> 7, i = idx & 127;
-            if (bb < nb)
-                sm[bb][i] = qscatter_tile(s, part, e, a, b0 + bb)[i];
+        for (uint32_t idx = tid; idx < 32 * 128; idx += 256) {
+            const uint32_t bb = idx >> 7, i = idx & 127;
+            if ((int)bb < nb)
+                sm[bb][i] = src[(size_t)(bb * tstep) * (QTM_TILE / 4) + i];
         }
         __syncthreads();
-        for (int idx = threadIdx.x; idx < 128 * 32; idx += 256) {
-            const int i = idx >> 5, bb = idx & 31;
-            const int64_t row = a * 128 + i;
-            if (bb < nb && row < s.lim[part])
-                dst[row * B + b0 + bb] = sm[bb][i];
+        for (uint32_t idx = tid; idx < 128 * 32; idx += 256) {
+            const uint32_t i = idx >> 5, bb = idx & 31;
+            const int64_t row = (int64_t)a * 128 + i;
+            if ((int)bb < nb && row < lim)
+                dst[row * B + bb] = sm[bb][i];
         }
         __syncthreads();
     }
@@ -1056,18 +1081,25 @@ extern "C" fm_status fm_cuda_quantize(fm_context *ctx, const fm_quant_config *cf
         if (err == cudaSuccess && tmaj) {
             qscatter q;
             q.tm = (const uint32_t *)p.o[0].tmaj;
-            q.ntr = p.ntr;
-            q.ntc = p.ntc;
+            q.ntr = (uint32_t)p.ntr;
+            q.ntc = (uint32_t)p.ntc;
             for (int k = 0; k < 2; k++) {
                 q.dst[k] = (uint32_t *)p.o[k].scale;
                 q.lim[k] = p.o[k].R;
                 q.perw[k] = p.o[k].e8 ? p.o[k].per / 4 : p.o[k].per;
-                q.items[k] = E * (k ? p.ntc : p.ntr) * fm_cdiv(k ? p.ntr : p.ntc, 32);
+                q.items[k] = (uint32_t)(E * (k ? p.ntc : p.ntr) * fm_cdiv(k ? p.ntr : p.ntc, 32));
             }
-            quant_scale_scatter_kernel<<<grid_for(q.items[0] + q.items[1],
-                                                  (int64_t)cs->prop.multiProcessorCount * 8),
-                                         256, 0, s>>>(q);
-            err = cudaGetLastError();
+            /* Programmatic dependent launch: see quant_tile_kernel's griddepcontrol. */
+            cudaLaunchAttribute at;
+            at.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+            at.val.programmaticStreamSerializationAllowed = 1;
+            cudaLaunchConfig_t lc = {};
+            lc.gridDim = dim3(grid_for(q.items[0] + q.items[1], (int64_t)cs->prop.multiProcessorCount * 8));
+            lc.blockDim = dim3(256);
+            lc.stream = s;
+            lc.attrs = &at;
+            lc.numAttrs = 1;
+            err = cudaLaunchKernelEx(&lc, quant_scale_scatter_kernel, q);
         }
     }
 out:
