@@ -1448,58 +1448,72 @@ FM_DI uint32_t rq_fp8_e2m1x8(uint32_t w0, uint32_t w1, uint32_t hm)
 }
 
 /* BI, BO: the input and output block widths when compiled in (both scale
- * arrays compact, the E8M0 / F32 choice following from the mode), 0 when
- * read from p. */
+ * arrays compact, the E8M0 / F32 choice following from the mode, and every
+ * input block whole: C a multiple of BI), 0 when read from p. Compiled in,
+ * a segment's scale entries are its index over 1 (32-element blocks) or 4
+ * (1 x 128): with whole blocks, compact scales number the blocks as the
+ * segments do, experts and rows included, so the segment's place is not
+ * needed (fm_tile_place and two 64-bit offsets were 33 of the 426 warp
+ * instructions a segment of MX32 -> E2M1, SourceCounters S17-1). */
 #define RQS_BI_SHIFT (BI ? (BI == 128 ? 7 : 5) : p.bi_shift)
 #define RQS_IN_E8 (BI ? BI == 32 : p.in_e8)
-#define RQS_IN_LAYOUT (BI ? (int)FM_SCALE_LAYOUT_COMPACT : p.in_layout)
 #define RQS_BO (BO ? BO : p.bo)
 #define RQS_BO_SHIFT (BO ? (BO == 128 ? 7 : 5) : p.bo_shift)
 #define RQS_OUT_E8 (BO ? BO == 32 : p.out_e8)
-#define RQS_OUT_LAYOUT (BO ? (int)FM_SCALE_LAYOUT_COMPACT : p.out_layout)
 
-template <int BI, int BO>
-FM_DI void rq_put_scale_rows(const rqparams &p, int64_t te, int64_t r, int64_t c, int pv)
-{
-    const int64_t off = rq_scale_off(p.out_mode, RQS_OUT_LAYOUT, p.R, p.C, p.nbo, RQS_BO_SHIFT, te * p.sout, r, c);
-    rq_store_scale(p, RQS_OUT_E8, off, pv == RQ_BADP, pv);
-}
-
-/* A segment's place, input scale bits and codes (zeros past the end),
- * loaded one iteration ahead. */
+/* A segment's input scale bits and codes (zeros past the end), its place
+ * where the scale offsets need it, loaded one iteration ahead. */
 template <int NW>
 struct rqseg {
     uint32_t w[NW];
     uint32_t raw; /* input scale bits */
-    uint32_t te;  /* expert */
-    uint32_t r;   /* stored row in the expert */
-    uint32_t c;   /* first column */
+    uint32_t te;  /* expert (BI == 0 only) */
+    uint32_t r;   /* stored row in the expert (BI == 0 only) */
+    uint32_t c;   /* first column (BI == 0 only) */
 };
 
+/* The codes of an FP8 input: lane l loads 16-byte chunks l and 32 + l of
+ * its warp's 32 segments (1 KB, two contiguous 512-byte requests), and
+ * rq_rows_kernel exchanges them through shared memory so that each lane
+ * gets its own segment's two chunks. Each lane loading its own 32 bytes
+ * used half of every 32-byte sector a request: MX32 -> E2M1 83.5% -> 84.4%
+ * of copy, 1 x 128 -> E2M1 (trusted) 80.0% -> 82.3% (S17-1). */
 template <int TI, int NW, int BI, int BO>
 FM_DI void rq_rows_load(const rqparams &p, uint32_t sg, rqseg<NW> &g)
 {
-    if (sg >= p.ntiles) {
-#pragma unroll
-        for (int i = 0; i < NW; i++)
-            g.w[i] = 0;
-        g.raw = 0, g.te = 0, g.r = 0, g.c = 0;
-        return;
-    }
-    uint32_t cs; /* the segment's place: expert, stored row, segment in the row */
-    fm_tile_place(p.ntc, p.ntr, sg, &g.te, &g.r, &cs);
-    g.c = cs << 5;
-    const int64_t el = (int64_t)sg << 5; /* segments tile the rows: element index = 32 sg */
-    const int64_t so =
-        rq_scale_off(p.in_mode, RQS_IN_LAYOUT, p.R, p.C, p.nbi, RQS_BI_SHIFT, (int64_t)g.te * p.sin, g.r, g.c);
-    g.raw = RQS_IN_E8 ? (uint32_t)__ldg((const uint8_t *)p.in_scale + so) : __ldg((const uint32_t *)p.in_scale + so);
-    if (TI == FM_DTYPE_E2M1) {
-        const uint4 v = __ldcs((const uint4 *)(p.in + el / 2));
-        g.w[0] = v.x, g.w[1] = v.y, g.w[2] = v.z, g.w[3] = v.w;
-    } else {
-        const uint4 v0 = __ldcs((const uint4 *)(p.in + el)), v1 = __ldcs((const uint4 *)(p.in + el + 16));
+    constexpr bool X = TI == FM_DTYPE_E2M1;
+    if (!X) { /* every lane: its chunks may belong to other lanes' segments */
+        const uint32_t wb = sg & ~31u, lane = sg & 31u;
+        const uint8_t *src = p.in + ((int64_t)wb << 5) + 16 * lane;
+        uint4 v0 = make_uint4(0u, 0u, 0u, 0u), v1 = v0;
+        if (wb + (lane >> 1) < p.ntiles)
+            v0 = __ldcs((const uint4 *)src);
+        if (wb + 16 + (lane >> 1) < p.ntiles)
+            v1 = __ldcs((const uint4 *)(src + 512));
         g.w[0] = v0.x, g.w[1] = v0.y, g.w[2] = v0.z, g.w[3] = v0.w;
         g.w[4] = v1.x, g.w[5] = v1.y, g.w[6] = v1.z, g.w[7] = v1.w;
+    }
+    g.raw = 0, g.te = 0, g.r = 0, g.c = 0;
+    if (sg >= p.ntiles) {
+        if (X)
+#pragma unroll
+            for (int i = 0; i < NW; i++)
+                g.w[i] = 0;
+        return;
+    }
+    int64_t so;
+    if (BI) {
+        so = sg >> (BI == 128 ? 2 : 0);
+    } else {
+        uint32_t cs; /* the segment's place: expert, stored row, segment in the row */
+        fm_tile_place(p.ntc, p.ntr, sg, &g.te, &g.r, &cs);
+        g.c = cs << 5;
+        so = rq_scale_off(p.in_mode, p.in_layout, p.R, p.C, p.nbi, p.bi_shift, (int64_t)g.te * p.sin, g.r, g.c);
+    }
+    g.raw = RQS_IN_E8 ? (uint32_t)__ldg((const uint8_t *)p.in_scale + so) : __ldg((const uint32_t *)p.in_scale + so);
+    if (X) {
+        const uint4 v = __ldcs((const uint4 *)(p.in + ((int64_t)sg << 4)));
+        g.w[0] = v.x, g.w[1] = v.y, g.w[2] = v.z, g.w[3] = v.w;
     }
 }
 
@@ -1532,7 +1546,6 @@ FM_DI void rq_rows_segment(const rqparams &p, const int *lut, uint32_t sg, const
 {
     const int lane = threadIdx.x & 31;
     const bool valid = sg < p.ntiles;
-    const uint32_t te = g.te, r = g.r, c = g.c;
     const int64_t el = (int64_t)sg << 5;
     int pin = 0, key = RQ_KEY_MIN;
     if (valid) {
@@ -1546,8 +1559,12 @@ FM_DI void rq_rows_segment(const rqparams &p, const int *lut, uint32_t sg, const
     if (!valid)
         return;
     const int pv = rq_block_exp(key);
-    if (RQS_BO == 32 || (lane & 3) == 0)
-        rq_put_scale_rows<BI, BO>(p, te, r, c, pv);
+    if (RQS_BO == 32 || (lane & 3) == 0) {
+        const int64_t off = BO ? (int64_t)(sg >> (BO == 128 ? 2 : 0))
+                               : rq_scale_off(p.out_mode, p.out_layout, p.R, p.C, p.nbo, p.bo_shift,
+                                              (int64_t)g.te * p.sout, g.r, g.c);
+        rq_store_scale(p, RQS_OUT_E8, off, pv == RQ_BADP, pv);
+    }
 
     uint32_t o[TO == FM_DTYPE_E2M1 ? 4 : 8];
     if (pv == RQ_BADP) {
@@ -1593,6 +1610,7 @@ __global__ void __launch_bounds__(RQS_THREADS) rq_rows_kernel(const rqparams p)
     constexpr bool X = TI == FM_DTYPE_E2M1;      /* read as E4M3 codes (rq_e2m1_as_e4m3) */
     constexpr int TC = X ? FM_DTYPE_E4M3 : TI;   /* the codes rq_rows_segment sees */
     constexpr int NW = X ? 4 : 8;                /* input words a segment */
+    __shared__ uint4 xs[X ? 1 : RQS_THREADS / 32][64]; /* FP8 input: rq_rows_load's chunks, by warp */
     __shared__ int lut[128];
     for (int i = threadIdx.x; i < 128; i += RQS_THREADS)
         lut[i] = X ? rq_code_key<TI, TO>((i >> 2) & 7, p.rule) : rq_code_key<TI, TO>(i, p.rule);
@@ -1611,14 +1629,23 @@ __global__ void __launch_bounds__(RQS_THREADS) rq_rows_kernel(const rqparams p)
         const bool more = nb < p.ntiles && nb > base;
         if (more)
             rq_rows_load<TI, NW, BI, BO>(p, nb + lane, gn);
-        if constexpr (X) {
+        if constexpr (!X) {
+            /* chunk j at slot j ^ (j / 8 % 2): no bank conflicts either way */
+            uint4 *x = xs[threadIdx.x >> 5];
+            x[lane ^ ((lane >> 3) & 1)] = make_uint4(g.w[0], g.w[1], g.w[2], g.w[3]);
+            x[(32 + lane) ^ ((lane >> 3) & 1)] = make_uint4(g.w[4], g.w[5], g.w[6], g.w[7]);
+            __syncwarp();
+            const uint32_t j = 2 * lane, f = (j >> 3) & 1;
+            const uint4 a = x[j ^ f], b = x[(j + 1) ^ f];
+            __syncwarp();
+            uint32_t w8[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+            rq_rows_segment<TC, TO, X, NW, BI, BO>(p, lut, base + lane, g, w8);
+        } else {
             uint32_t e[8];
 #pragma unroll
             for (int i = 0; i < 4; i++)
                 rq_e2m1_as_e4m3(g.w[i], &e[2 * i], &e[2 * i + 1]);
             rq_rows_segment<TC, TO, X, NW, BI, BO>(p, lut, base + lane, g, e);
-        } else {
-            rq_rows_segment<TC, TO, X, NW, BI, BO>(p, lut, base + lane, g, g.w);
         }
         if (!more)
             break;
@@ -1863,7 +1890,8 @@ static int rq_rows_fit(const rqparams &p, int tr, int64_t E)
  * 6 (1 x 128 out) or 8 (MX32 out) that fit, E2M1 -> E4M3 ran at 83.9% and
  * 78.3% of copy, with 4 at 87.6% and 86.9% (S16-3 set the count from
  * outside one binary, S16-4 and S16-6 compared binaries); FP8 input keeps
- * all 6 (4 gave 83.4% -> 80.7%). */
+ * all that fit (6 at 40 registers: 4 gave 83.4% -> 80.7%; 8 since the
+ * compiled-in scale offsets took FP8 -> E2M1 to 31 registers). */
 template <int TI, int TO, int BI, int BO>
 static cudaError_t rq_rows_launch3(const rqparams &q, int64_t nseg, int sms, cudaStream_t s)
 {
@@ -1879,12 +1907,13 @@ static cudaError_t rq_rows_launch3(const rqparams &q, int64_t nseg, int sms, cud
     return cudaGetLastError();
 }
 
-/* Compact scale arrays on both sides (what the recipes use) get the block
- * widths compiled in; E2M1 blocks are MX32 on either side. */
+/* Compact scale arrays on both sides (what the recipes use) over whole
+ * input blocks get the block widths compiled in (rq_rows_load); E2M1 blocks
+ * are MX32 on either side. */
 template <int TI, int TO>
 static cudaError_t rq_rows_launch2(const rqparams &q, int64_t nseg, int sms, cudaStream_t s)
 {
-    if (q.in_layout != FM_SCALE_LAYOUT_COMPACT || q.out_layout != FM_SCALE_LAYOUT_COMPACT)
+    if (q.in_layout != FM_SCALE_LAYOUT_COMPACT || q.out_layout != FM_SCALE_LAYOUT_COMPACT || q.C % q.bi)
         return rq_rows_launch3<TI, TO, 0, 0>(q, nseg, sms, s);
     constexpr int BI2 = TI == FM_DTYPE_E2M1 ? 32 : 128, BO2 = TO == FM_DTYPE_E2M1 ? 32 : 128;
     if (q.bi == 32)
