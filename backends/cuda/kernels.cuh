@@ -113,13 +113,16 @@ FM_DI uint32_t fm_bf16x2_e2m1(uint32_t x, uint32_t mul, uint32_t mexp)
     return __vminu2(s & 0x000F000Fu, 0x00070007u) | ((s >> 12) & 0x00080008u);
 }
 
-/* Four fm_bf16x2_e2m1 results of one row's elements (c[q]: 2q and 2q+1)
- * -> the row's eight codes, element i in bits 4i..4i+3. */
+/* Four fm_bf16x2_e2m1 results of one row's elements (c[q]: 2q and 2q+1,
+ * nothing outside bits 0-3 and 16-19) -> the row's eight codes, element i
+ * in bits 4i..4i+3. Bytes 0 and 2 of c[0], c[1] interleaved by one PRMT
+ * (elements 0, 2, 1, 3 in bytes 0-3), then the high pair shifted onto the
+ * low one by one LEA.HI: the add is an OR there, its nibbles do not meet. */
 FM_DI uint32_t fm_e2m1_pairs_row(const uint32_t c[4])
 {
-    uint32_t x = c[0] | (c[1] << 8), y = c[2] | (c[3] << 8);
-    x |= x >> 12;
-    y |= y >> 12;
+    uint32_t x = __byte_perm(c[0], c[1], 0x6240), y = __byte_perm(c[2], c[3], 0x6240);
+    x += x >> 12;
+    y += y >> 12;
     return __byte_perm(x, y, 0x5410);
 }
 

@@ -1418,12 +1418,14 @@ FM_DI uint32_t rq_h2_pow2(int k)
  * product |v| 2^(d - 6) is exact wherever it can reach the E2M1 grid (an
  * FP8 value has at most 4 significant bits, and half precision is exact
  * down to 2^-14 while the grid starts at 2^-8); a smaller product may be
- * rounded but still ends at 0, as in F32; an overflow to Inf is clamped to
- * 6 2^-6 like any large value. Then |y| rounded to the grid's step in its
- * binade by adding and subtracting M = 2^(e + 9) (floor 2^3): M's ulp is
- * the step, the add rounds to nearest even, and the sum's mantissa field
- * counts steps above M, so the E2M1 code is that count plus 2 (e_M - 3). */
-template <int TI>
+ * rounded but still ends at 0, as in F32. With CLAMP a product above
+ * 6 2^-6 (an overflow to Inf included) is clamped to it, as satfinite
+ * rounds it; without, the caller knows there is none. Then |y| rounded to
+ * the grid's step in its binade by adding and subtracting M = 2^(e + 9)
+ * (floor 2^3): M's ulp is the step, the add rounds to nearest even, and the
+ * sum's mantissa field counts steps above M, so the E2M1 code is that count
+ * plus 2 (e_M - 3). About 11 instructions a pair with CLAMP, 10 without. */
+template <int TI, bool CLAMP>
 FM_DI uint32_t rq_fp8_e2m1x8(uint32_t w0, uint32_t w1, uint32_t hm)
 {
     uint32_t c[4];
@@ -1436,8 +1438,12 @@ FM_DI uint32_t rq_fp8_e2m1x8(uint32_t w0, uint32_t w1, uint32_t hm)
         else
             h = __byte_perm(two, 0u, 0x1404); /* an E5M2 code is the high byte of its F16 */
         __half2 a = __hmul2(__habs2(*(__half2 *)&h), *(__half2 *)&hm);
-        a = __hmin2(a, __half2half2(__ushort_as_half((unsigned short)0x2E00u))); /* 6 * 2^-6 */
+        if (CLAMP)
+            a = __hmin2(a, __half2half2(__ushort_as_half((unsigned short)0x2E00u))); /* 6 * 2^-6 */
         const uint32_t ab = *(uint32_t *)&a;
+        /* (__viaddmax_u16x2 would be one instruction fewer, but its addend
+         * needs a register, which the compiler rematerialises every pair at
+         * this kernel's 32) */
         const uint32_t mb = __vmaxu2((ab & 0x7C007C00u) + 0x24002400u, 0x48004800u);
         const __half2 sm = __hadd2(a, *(const __half2 *)&mb);
         const uint32_t sb = *(const uint32_t *)&sm;
@@ -1576,9 +1582,18 @@ FM_DI void rq_rows_segment(const rqparams &p, const int *lut, uint32_t sg, const
         const int d = pw - pv;
         if (TO == FM_DTYPE_E2M1 && d >= -18 && d <= 21) {
             const uint32_t hm = rq_h2_pow2(d - 6);
+            /* The POW2 rule's exponent keeps every |v| 2^d <= 6 unless it was
+             * clamped at 127 (a block past 6 2^127); MX_FLOOR's lets values
+             * saturate. */
+            if (p.rule != FM_REQUANT_MX_FLOOR && pv < 127) {
 #pragma unroll
-            for (int q = 0; q < 4; q++)
-                o[q] = rq_fp8_e2m1x8<TI>(w[2 * q], w[2 * q + 1], hm);
+                for (int q = 0; q < 4; q++)
+                    o[q] = rq_fp8_e2m1x8<TI, false>(w[2 * q], w[2 * q + 1], hm);
+            } else {
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    o[q] = rq_fp8_e2m1x8<TI, true>(w[2 * q], w[2 * q + 1], hm);
+            }
         } else {
             const float m = rq_mult(pw, pv);
 #pragma unroll
