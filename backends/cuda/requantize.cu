@@ -932,25 +932,29 @@ FM_DI void rqf_fill_stage(const rqparams &p, uint32_t t, const rqtile &tl, uint8
 }
 
 /* The transposed tile out of shared memory ([tile column][tile row], 128
- * bytes a column, no swizzle): output row c0 + c, 16 bytes a thread. */
-template <int TO>
+ * bytes a column, no swizzle): output row c0 + c, 16 bytes a thread. WARP:
+ * each warp stores the 16 columns it wrote (rq_fp8t_kernel's lanes), 4 a
+ * pass, so no barrier stands between the codes and their stores; else the
+ * CTA stores all 128, 32 a pass. */
+template <int TO, bool WARP>
 FM_DI void rqf_store_tile(const rqparams &p, const uint8_t *tsm, const rqtile &tl)
 {
-    const int tid = threadIdx.x, c = tid >> 3, qq = tid & 7;
+    const int tid = threadIdx.x, qq = tid & 7;
+    const int c = WARP ? ((tid >> 5) << 4) + ((tid & 31) >> 3) : tid >> 3, cstep = WARP ? 4 : 32;
     if (rqf_full_out(p, tl)) {
         uint8_t *dst = tl.out + (tl.c0 + c) * tl.Co + tl.r0 + 16 * qq;
-        const int64_t step = 32 * tl.Co;
+        const int64_t step = cstep * tl.Co;
 #pragma unroll
         for (int pass = 0; pass < 4; pass++)
-            __stcs((uint4 *)(dst + pass * step), *(const uint4 *)(tsm + (c + 32 * pass) * 128 + 16 * qq));
+            __stcs((uint4 *)(dst + pass * step), *(const uint4 *)(tsm + (c + cstep * pass) * 128 + 16 * qq));
         return;
     }
 #pragma unroll
     for (int pass = 0; pass < 4; pass++) {
-        const int64_t sr = tl.c0 + c + 32 * pass, sc = tl.r0 + 16 * qq;
+        const int64_t sr = tl.c0 + c + cstep * pass, sc = tl.r0 + 16 * qq;
         if (sr >= p.Ro || sc >= tl.Co)
             continue;
-        const uint4 val = *(const uint4 *)(tsm + (c + 32 * pass) * 128 + 16 * qq);
+        const uint4 val = *(const uint4 *)(tsm + (c + cstep * pass) * 128 + 16 * qq);
         uint8_t *dst = tl.out + sr * tl.Co + sc;
         if (tl.vec_out) {
             __stcs((uint4 *)dst, val);
@@ -1349,17 +1353,22 @@ __global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqp
          * barrier below and at the next iteration's top), its map entries in
          * flight during the store pass, into shared memory after it. */
         const uint64_t tfn = tf + gridDim.x;
-        if (G && p.rmap && tid == 0 && tfn < p.ntiles)
-            tln_s[G ? buf : 0] = rq_tile<G>(p, (uint32_t)tfn);
-        __syncthreads();
-        uint32_t mv[4];
-        if (G && p.rmap)
+        if (G && p.rmap) { /* block-uniform */
+            if (tid == 0 && tfn < p.ntiles)
+                tln_s[G ? buf : 0] = rq_tile<G>(p, (uint32_t)tfn);
+            __syncthreads();
+            uint32_t mv[4];
             rqf_rows_fetch(p, tfn, tln_s[G ? buf : 0], mv);
-
-        /* 3. coalesced stores of the transposed tile */
-        rqf_store_tile<TO>(p, tsm, tile);
-        if (G && p.rmap)
+            /* 3. coalesced stores of the transposed tile */
+            rqf_store_tile<TO, false>(p, tsm, tile);
             rqf_rows_put(p, mv, rm_s[ms == 2 ? 0 : ms + 1]);
+        } else {
+            /* 3. each warp's own 16 columns: the next iteration's barrier
+             * keeps the next tile's codes out of tsm until they are stored
+             * (a barrier here held 10% of the stall samples, S17-3) */
+            __syncwarp();
+            rqf_store_tile<TO, true>(p, tsm, tile);
+        }
 
         if (!more)
             break;
