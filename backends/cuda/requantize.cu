@@ -139,8 +139,14 @@ FM_DI rqtile rq_tile(const rqparams &p, uint32_t t)
 {
     rqtile k;
     if (!G) {
+        /* Tile rows fastest: the CTAs at work at once then share tile columns,
+         * so a compact column-wise scale array's 32-byte sectors (8 tile rows
+         * of one output row) fill within a short window, and the output rows
+         * are written in long runs. Trusted 1 x 128 transpose 74.6% -> 76.1-76.3%
+         * of copy, untrusted 65.7% -> 67.3-67.8%; GEMM-layout scales and
+         * MX32 unchanged (S17-9, against tile columns fastest). */
         uint32_t te, tr, tc;
-        fm_tile_place(p.ntc, p.ntr, t, &te, &tr, &tc);
+        fm_tile_place(p.ntr, p.ntc, t, &te, &tc, &tr);
         k.c0 = (int64_t)tc * RQT;
         k.r0 = (int64_t)tr * RQT;
         k.R = p.R;
