@@ -4,8 +4,10 @@
 # in each case, with the sections that say where a memory-bound kernel loses
 # time (speed of light, occupancy, scheduler and warp-state statistics,
 # memory workload). Reports go to $OUT/ncu-N.txt. With FM_NCU_SOURCE=1 also
-# the per-instruction counts (SourceCounters): the report $OUT/ncu-N.ncu-rep
-# and its SASS page as $OUT/ncu-N-sass.csv (executed count per instruction).
+# the per-instruction counts (SourceCounters): the report $OUT/ncu-N.ncu-rep,
+# its SASS page as $OUT/ncu-N-sass.csv (executed count per instruction) and
+# its source page as $OUT/ncu-N-src.csv (per CUDA line: the kernels carry
+# -lineinfo); tools/ncu-lines.py ncu-N-src.csv sums and ranks the lines.
 #
 #   OUT=/dir tools/gpu-profile.sh 'KERNEL_REGEX|fm-bench filter' ...
 #   e.g. tools/gpu-profile.sh 'quant_tile_kernel|BF16->E4M3 1x128 row+col'
@@ -48,6 +50,7 @@ for spec in "$@"; do
     if [ -n "${FM_NCU_SOURCE:-}" ]; then
         "$NCU" -i "$OUT/ncu-$n.ncu-rep" --page details >>"$OUT/ncu-$n.txt" 2>&1
         "$NCU" -i "$OUT/ncu-$n.ncu-rep" --page source --csv --print-source sass >"$OUT/ncu-$n-sass.csv" 2>&1
+        "$NCU" -i "$OUT/ncu-$n.ncu-rep" --page source --csv --print-source cuda,sass >"$OUT/ncu-$n-src.csv" 2>&1
     fi
     grep -E "Duration|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|No Eligible|Warp Cycles Per Issued|stalled_.*ratio|inst_executed.sum|dram__bytes|lts__t_sectors" "$OUT/ncu-$n.txt" | head -40
 done
