@@ -1101,8 +1101,9 @@ static __device__ __noinline__ uint2 rqf_slow_col(uint32_t c0, uint32_t c1, cons
 
 /* Lane l of warp w: rows 8 rg .. 8 rg + 7 (rg = l / 2) of tile columns
  * 16 w + 8 cg .. + 7 (cg = l % 2), so a warp holds whole output blocks
- * (128 or 32 rows of its 16 columns): the column keys reduce by shuffles
- * and a tile needs two barriers (its stage in, its transposed tile out). */
+ * (128 or 32 rows of its 16 columns): the column keys reduce by shuffles,
+ * the warp stores its own transposed columns, and a tile needs one barrier
+ * (its stage in; the rows' transpose keeps a second for its row map). */
 template <int TI, int TO, bool G>
 __global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqparams p)
 {
@@ -1448,7 +1449,8 @@ FM_DI uint32_t rq_h2_pow2(int k)
  * the grid's step in its binade by adding and subtracting M = 2^(e + 9)
  * (floor 2^3): M's ulp is the step, the add rounds to nearest even, and the
  * sum's mantissa field counts steps above M, so the E2M1 code is that count
- * plus 2 (e_M - 3). About 11 instructions a pair with CLAMP, 10 without. */
+ * plus 2 (e_M - 3). About 14 SASS instructions a pair with CLAMP, 11
+ * without (the packing included; S17's cuobjdump of rq_rows_kernel). */
 template <int TI, bool CLAMP>
 FM_DI uint32_t rq_fp8_e2m1x8(uint32_t w0, uint32_t w1, uint32_t hm)
 {
@@ -1646,6 +1648,7 @@ FM_DI void rq_rows_segment(const rqparams &p, const int *lut, uint32_t sg, const
 template <int TI, int TO, int BI, int BO>
 __global__ void __launch_bounds__(RQS_THREADS) rq_rows_kernel(const rqparams p)
 {
+    static_assert((BI == 0) == (BO == 0), "the segment's place is loaded only when no block width is compiled in");
     constexpr bool X = TI == FM_DTYPE_E2M1;      /* read as E4M3 codes (rq_e2m1_as_e4m3) */
     constexpr int TC = X ? FM_DTYPE_E4M3 : TI;   /* the codes rq_rows_segment sees */
     constexpr int NW = X ? 4 : 8;                /* input words a segment */
