@@ -1487,10 +1487,8 @@ FM_DI uint32_t rq_fp8_e2m1x8(uint32_t w0, uint32_t w1, uint32_t hm)
  * segments do, experts and rows included, so the segment's place is not
  * needed (fm_tile_place and two 64-bit offsets were 33 of the 426 warp
  * instructions a segment of MX32 -> E2M1, SourceCounters S17-1). */
-#define RQS_BI_SHIFT (BI ? (BI == 128 ? 7 : 5) : p.bi_shift)
 #define RQS_IN_E8 (BI ? BI == 32 : p.in_e8)
 #define RQS_BO (BO ? BO : p.bo)
-#define RQS_BO_SHIFT (BO ? (BO == 128 ? 7 : 5) : p.bo_shift)
 #define RQS_OUT_E8 (BO ? BO == 32 : p.out_e8)
 
 /* A segment's input scale bits and codes (zeros past the end), its place
