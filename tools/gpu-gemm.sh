@@ -13,9 +13,15 @@ steps=" ${FM_GEMM_STEPS:-test sass sanitizers bench} "
 if [[ $steps == *" test "* ]]; then
   t 300 test.log $B/tests/gpu/test_cuda_gemm_matches_cpu_within_tolerance
   grep -E "FAIL|test_cuda_gemm" "$OUT/test.log" | head -30 >>"$s"
-  # the native kernel's other cluster size (a tuning knob, see grouped_gemm_sm90.cu)
-  FLOWMOE_SM90_CLUSTER=2 t 300 test-cluster2.log $B/tests/gpu/test_cuda_gemm_matches_cpu_within_tolerance
-  grep -E "FAIL|test_cuda_gemm" "$OUT/test-cluster2.log" | head -30 >>"$s"
+  # the native kernel's every tile shape and its other cluster size (tuning
+  # knobs, see grouped_gemm_sm90.cu): each product of the test runs on each
+  for tile in 192x128 128x128 128x192; do
+    for cl in 1 2; do
+      FLOWMOE_SM90_TILE=$tile FLOWMOE_SM90_CLUSTER=$cl t 300 test-$tile-cl$cl.log \
+          $B/tests/gpu/test_cuda_gemm_matches_cpu_within_tolerance
+      echo "tile $tile cluster $cl: $(grep -E "FAIL|test_cuda_gemm" "$OUT/test-$tile-cl$cl.log" | head -30)" >>"$s"
+    done
+  done
 fi
 if [[ $steps == *" sass "* ]]; then
   obj=$(find $B -name '*grouped_gemm_sm90.cu.o' | head -1)
