@@ -4,21 +4,25 @@
  * or TENSOR x TENSOR (one scale per expert for B). Output BF16, F32, or added
  * into F32.
  *
- * One persistent launch: every CTA walks the 192 x 128 tiles t = blockIdx.x,
+ * One persistent launch: every CTA walks the tiles t = blockIdx.x,
  * + gridDim.x, ... of all experts (split sizes read on the device, so no host
  * synchronisation; a table of tile and row prefix sums in shared memory maps
- * t to its expert). A CTA is four warpgroups:
- *   - a producer (warps 12-15, one thread working) that streams each 128-wide
- *     K block's A and B tiles, A's 192 row scales and B's block scale into a
- *     ring of GM_STAGES shared-memory stages with TMA, each stage completing
- *     on a "full" mbarrier and handed back on an "empty" one;
- *   - three consumers (warps 0-11), each owning 64 of the tile's 192 rows:
- *     per K block, four m64n128k32 wgmma into a partial accumulator, then the
- *     FP32 promotion acc += partial · (sa_row · sb_block). The partial sum of
+ * t to its expert). Tiles are 192 x 128, 128 x 192 or 128 x 128 (rows x
+ * columns), picked per call (gm_pick_shape). A CTA is a producer warpgroup
+ * and two or three consumer warpgroups:
+ *   - the producer (its first thread working) streams each 128-wide K
+ *     block's A and B tiles, A's row scales and B's block scales into a ring
+ *     of GM_STAGES shared-memory stages with TMA, each stage completing on a
+ *     "full" mbarrier and handed back on an "empty" one;
+ *   - each consumer owns 64 of the tile's rows: per K block, four m64nBNk32
+ *     wgmma into a partial accumulator, then the FP32 promotion
+ *     acc += partial · (sa_row · sb_block). The partial sum of
  *     one 128-K block never carries over, which both applies the block scales
  *     exactly where the reference rule applies them and keeps the tensor
  *     cores' reduced-precision accumulation to 128 products.
- *   setmaxnreg moves registers from the producer to the consumers.
+ *   setmaxnreg moves registers from the producer to the consumers. BF16
+ *   results leave through a per-warp shared-memory staging area as 16-byte
+ *   row pieces.
  * Rows of a tile past its expert's end belong to the next expert (or lie past
  * A, where TMA reads zeros): they are computed and never stored. K past the
  * end is zero-filled by TMA, so a partial last K block adds nothing. Block
@@ -37,11 +41,10 @@
 
 #include "cuda.h"
 
-/* The tile's rows come from CWG consumer warpgroups of 64 rows each, CWG a
- * template parameter of the kernel (2 or 3; host code names its choice CWG
- * too): the macros below read it from the scope they expand in. 192 rows
- * (3) run 11% faster per row on large experts; 128 (2) waste fewer rows on
- * small ones (an expert of 256 rows is 2 tiles either way). */
+/* The tile's rows come from CWG consumer warpgroups of 64 rows each, its
+ * columns are BN, both template parameters of the kernel (CWG 3 with BN 128,
+ * CWG 2 with BN 128 or 192; host code names its choice CWG and BN too): the
+ * macros below read them from the scope they expand in. */
 #define GM_BM (64 * CWG)
 #define GM_BN BN /* 128 or 192 columns, the template parameter BN */
 #define GM_BK 128
