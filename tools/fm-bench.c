@@ -372,6 +372,14 @@ static const gcase gcases[] = {
     {"grouped_gemm E4M3 1x128 x 128x128 -> BF16, E=64 of 512 rows [cuBLASLt]", G_GROUPED, 64, 32768, 4096, 7168, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_BF16, 0, FM_GEMM_IMPL_LIBRARY},
     {"grouped_gemm E4M3 1x128 x 128x128 -> BF16, E=64 of 256 rows, N 2048 [native sm90]", G_GROUPED, 64, 16384, 2048, 7168, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_BF16, 0, FM_GEMM_IMPL_NATIVE},
     {"grouped_gemm E4M3 1x128 x 128x128 -> BF16, E=64 of 256 rows, N 2048 [cuBLASLt]", G_GROUPED, 64, 16384, 2048, 7168, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_BF16, 0, FM_GEMM_IMPL_LIBRARY},
+    /* The layer's other three m-grouped products at fm-bench's layer size (the first is E=8 above):
+     * W2 forward [32768, 2048] x [7168, 2048]^T, and the data gradients through W2 and W1. */
+    {"grouped_gemm E4M3 1x128 x 128x128 -> BF16, E=8, layer W2 forward, N 7168 K 2048 [native sm90]", G_GROUPED, 8, 32768, 7168, 2048, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_BF16, 0, FM_GEMM_IMPL_NATIVE},
+    {"grouped_gemm E4M3 1x128 x 128x128 -> BF16, E=8, layer W2 forward, N 7168 K 2048 [cuBLASLt]", G_GROUPED, 8, 32768, 7168, 2048, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_BF16, 0, FM_GEMM_IMPL_LIBRARY},
+    {"grouped_gemm E4M3 1x128 x 128x128 -> BF16, E=8, layer data gradient through W2, N 2048 K 7168 [native sm90]", G_GROUPED, 8, 32768, 2048, 7168, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_BF16, 0, FM_GEMM_IMPL_NATIVE},
+    {"grouped_gemm E4M3 1x128 x 128x128 -> BF16, E=8, layer data gradient through W2, N 2048 K 7168 [cuBLASLt]", G_GROUPED, 8, 32768, 2048, 7168, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_BF16, 0, FM_GEMM_IMPL_LIBRARY},
+    {"grouped_gemm E4M3 1x128 x 128x128 -> BF16, E=8, layer data gradient through W1, N 7168 K 4096 [native sm90]", G_GROUPED, 8, 32768, 7168, 4096, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_BF16, 0, FM_GEMM_IMPL_NATIVE},
+    {"grouped_gemm E4M3 1x128 x 128x128 -> BF16, E=8, layer data gradient through W1, N 7168 K 4096 [cuBLASLt]", G_GROUPED, 8, 32768, 7168, 4096, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_BF16, 0, FM_GEMM_IMPL_LIBRARY},
     {"grouped_gemm BF16 -> BF16, E=8", G_GROUPED, 8, 32768, 4096, 7168, FM_DTYPE_BF16, FM_SCALE_NONE, FM_SCALE_NONE, FM_DTYPE_BF16, 0, FM_GEMM_IMPL_AUTO},
     /* The router's F32 GEMMs (memory-bound: one pass over the 117 MB of x): the streaming kernels
      * next to cuBLASLt. linear_wgrad: dW [M, N] += dYᵀ [M, K] · X [K, N]. */
