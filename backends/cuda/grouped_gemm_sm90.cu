@@ -76,8 +76,8 @@ typedef struct {
     const int64_t *splits; /* device split sizes, or NULL: host_splits */
     int host_splits[GM_HOST_SPLITS];
     int groups, rows, n, k;
-    int accumulate, pair; /* pair: two neighbouring outputs may be stored as one aligned access */
-    int vec;              /* BF16 rows of 8 outputs from a multiple of 8 are 16-byte aligned */
+    int accumulate;
+    int vec; /* 16 bytes of a row of D from a multiple of 16 bytes are 16-byte aligned (D and N allow it) */
 } gm_params;
 
 /* Device code that only sm_90a assembles: the host pass and the sm_90a pass
@@ -280,42 +280,6 @@ __device__ static __forceinline__ void gm_tile(const int *tile_pfx, const int *r
     *nb = r / gm;
 }
 
-/* The old values of the outputs a thread adds to (accumulate), all loads in
- * flight before the first is used: read one by one next to their stores, they
- * cost 12 us per tile (the stores might alias them). Unread slots stay 0. */
-__device__ static __forceinline__ void gm_load_old(const gm_params *p, long long row, int col, int ok, float *x,
-                                                   float *y)
-{
-    const float *o = (const float *)p->d + row * p->ldd + col;
-    *x = ok && col < p->n ? o[0] : 0.0f;
-    *y = ok && col + 1 < p->n ? o[1] : 0.0f;
-}
-
-__device__ static __forceinline__ void gm_store(const gm_params *p, long long row, int col, float x, float y, int DF32)
-{
-    long long off = row * p->ldd + col;
-    int two = col + 1 < p->n;
-    if (DF32) {
-        float *o = (float *)p->d + off;
-        if (two && p->pair)
-            *(float2 *)o = make_float2(x, y);
-        else {
-            o[0] = x;
-            if (two)
-                o[1] = y;
-        }
-    } else {
-        __nv_bfloat16 *o = (__nv_bfloat16 *)p->d + off;
-        if (two && p->pair)
-            *(__nv_bfloat162 *)o = __floats2bfloat162_rn(x, y);
-        else {
-            o[0] = __float2bfloat16_rn(x);
-            if (two)
-                o[1] = __float2bfloat16_rn(y);
-        }
-    }
-}
-
 /* Consumer side of one K block: wait for its stage, read its scales (into
  * s0[q], s1[q] for the warp's two rows and the q-th 64-column third of a
  * 192-column tile, which spans two 128-column B blocks: the middle third is
@@ -442,6 +406,86 @@ __device__ static __forceinline__ void gm_store_bf16(const gm_params *p, const f
                         const uint16_t u = (uint16_t)(x[i / 2] >> (16 * (i & 1)));
                         o[i] = *(const __nv_bfloat16 *)&u;
                     }
+                }
+            }
+        }
+    }
+}
+
+/* As gm_store_bf16 for F32 outputs, 16 columns (64 bytes a row) at a time;
+ * with accumulate, the old values are loaded first, all in flight, into
+ * `old` (BN / 2 floats: the 16-byte pieces this lane stores). */
+template <int BN>
+__device__ static __forceinline__ void gm_store_f32(const gm_params *p, const float *acc, float *old, uint32_t buf,
+                                                    int lane, int r0, int g0, int m_e, int n0)
+{
+    if (p->accumulate) {
+#pragma unroll
+        for (int i = 0; i < BN / 8; i++) { /* piece i: chunk i / 2, the lane's (i & 1)-th of it */
+            const int pc = lane + 32 * (i & 1), row = pc >> 2, col = n0 + (i >> 1) * 16 + (pc & 3) * 4;
+            const int er = r0 + row;
+            const long long gr = (long long)g0 + er;
+            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (er < m_e && gr < p->rows && col < p->n) {
+                const float *o = (const float *)p->d + gr * p->ldd + col;
+                if (p->vec && col + 4 <= p->n)
+                    v = *(const float4 *)o;
+                else {
+                    v.x = o[0];
+                    v.y = col + 1 < p->n ? o[1] : 0.0f;
+                    v.z = col + 2 < p->n ? o[2] : 0.0f;
+                    v.w = col + 3 < p->n ? o[3] : 0.0f;
+                }
+            }
+            old[4 * i + 0] = v.x;
+            old[4 * i + 1] = v.y;
+            old[4 * i + 2] = v.z;
+            old[4 * i + 3] = v.w;
+        }
+    }
+    const int lr = lane >> 2, sw = (lr >> 1) & 3; /* rows lr and lr + 8 share the swizzle */
+#pragma unroll
+    for (int c = 0; c < BN / 16; c++) {
+        __syncwarp(); /* the previous chunk's reads are done */
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int j = 2 * c + h, u = 2 * h + ((lane & 3) >> 1);
+            const uint32_t a = buf + lr * 64 + ((u ^ sw) << 4) + (lane & 1) * 8;
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(a), "f"(acc[4 * j + 0]), "f"(acc[4 * j + 1])
+                         : "memory");
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(a + 8 * 64), "f"(acc[4 * j + 2]),
+                         "f"(acc[4 * j + 3])
+                         : "memory");
+        }
+        __syncwarp();
+#pragma unroll
+        for (int q = 0; q < 2; q++) {
+            const int i = 2 * c + q, pc = lane + 32 * q, row = pc >> 2, u = pc & 3;
+            float4 v;
+            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                         : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                         : "r"(buf + row * 64 + ((u ^ ((row >> 1) & 3)) << 4))
+                         : "memory");
+            if (p->accumulate) {
+                v.x += old[4 * i + 0];
+                v.y += old[4 * i + 1];
+                v.z += old[4 * i + 2];
+                v.w += old[4 * i + 3];
+            }
+            const int er = r0 + row, col = n0 + c * 16 + u * 4;
+            const long long gr = (long long)g0 + er;
+            if (er < m_e && gr < p->rows && col < p->n) {
+                float *o = (float *)p->d + gr * p->ldd + col;
+                if (p->vec && col + 4 <= p->n)
+                    *(float4 *)o = v;
+                else {
+                    o[0] = v.x;
+                    if (col + 1 < p->n)
+                        o[1] = v.y;
+                    if (col + 2 < p->n)
+                        o[2] = v.z;
+                    if (col + 3 < p->n)
+                        o[3] = v.w;
                 }
             }
         }
@@ -598,8 +642,6 @@ __global__ void __launch_bounds__(GM_THREADS, 1)
             gm_tile(tile_pfx, row_pfx, G, nt, GM_BM, t, &e, &mb, &nb);
             nb = nb * CL + rank;
             const int m_e = row_pfx[e + 1] - row_pfx[e];
-            const int r0 = mb * GM_BM + wg * 64 + wr; /* expert row of acc[4j], acc[4j+1]; r0 + 8: the other two */
-            const long long g0 = (long long)row_pfx[e] + r0, g1 = g0 + 8;
             const int sa_row = ((row_pfx[e] + mb * GM_BM) & 3) + wg * 64 + wr; /* in the stage's A scale slot */
             /* TENSOR x TENSOR: two scales for the whole tile. */
             const float ts = BLK ? 1.0f : __ldg(p.sa) * __ldg(p.sb + e);
@@ -613,32 +655,12 @@ __global__ void __launch_bounds__(GM_THREADS, 1)
                 gm_retire<CL, BN>(acc, part, empty, s, lane, s0, s1);
                 gm_next<CWG, BN>(&s, &ph);
             }
-            const int c0 = nb * GM_BN + (lane & 3) * 2;
-            const int ok0 = r0 < m_e && g0 < p.rows, ok1 = r0 + 8 < m_e && g1 < p.rows;
-            if (DF32 && p.accumulate) { /* the partial accumulator is free now: it holds the old D */
-#pragma unroll
-                for (int j = 0; j < BN / 8; j++) {
-                    gm_load_old(&p, g0, c0 + 8 * j, ok0, &part[4 * j + 0], &part[4 * j + 1]);
-                    gm_load_old(&p, g1, c0 + 8 * j, ok1, &part[4 * j + 2], &part[4 * j + 3]);
-                }
-#pragma unroll
-                for (int i = 0; i < BN / 2; i++)
-                    acc[i] += part[i];
-            }
-            if (DF32) {
-#pragma unroll
-                for (int j = 0; j < BN / 8; j++) {
-                    int col = c0 + 8 * j;
-                    if (col < p.n) {
-                        if (ok0)
-                            gm_store(&p, g0, col, acc[4 * j + 0], acc[4 * j + 1], DF32);
-                        if (ok1)
-                            gm_store(&p, g1, col, acc[4 * j + 2], acc[4 * j + 3], DF32);
-                    }
-                }
-            } else
-                gm_store_bf16<BN>(&p, acc, gm_sa(epi) + warp * 1024, lane, mb * GM_BM + wg * 64 + (warp & 3) * 16,
-                              row_pfx[e], m_e, nb * GM_BN);
+            const uint32_t buf = gm_sa(epi) + warp * 1024;
+            const int wr0 = mb * GM_BM + wg * 64 + (warp & 3) * 16; /* the warp's first expert row */
+            if (DF32) /* the partial accumulator is free now: it holds the old D */
+                gm_store_f32<BN>(&p, acc, part, buf, lane, wr0, row_pfx[e], m_e, nb * GM_BN);
+            else
+                gm_store_bf16<BN>(&p, acc, buf, lane, wr0, row_pfx[e], m_e, nb * GM_BN);
         }
     }
     if (CL > 1)
@@ -892,8 +914,7 @@ extern "C" fm_status fm_cuda_gemm_sm90(fm_context *ctx, const fm_gemm_config *cf
     p.n = (int)N;
     p.k = (int)K;
     p.accumulate = cfg->accumulate;
-    p.pair = N % 2 == 0 && (uintptr_t)d->data % (d->dtype == FM_DTYPE_F32 ? 8 : 4) == 0;
-    p.vec = N % 8 == 0 && (uintptr_t)d->data % 16 == 0;
+    p.vec = N % (d->dtype == FM_DTYPE_F32 ? 4 : 8) == 0 && (uintptr_t)d->data % 16 == 0;
     if (splits && splits->device)
         p.splits = splits->device;
     else if (splits)
