@@ -57,7 +57,7 @@
  * so 4 more, in a slot that keeps the next one 128-byte aligned. */
 #define GM_SA_BOX (GM_BM + 4)
 #define GM_SA_BYTES ((GM_SA_BOX * 4 + 127) / 128 * 128)
-/* A consumer warp's BF16 staging area: 16 rows x 32 columns. */
+/* A consumer warp's epilogue staging area: 16 rows x 32 BF16 or 16 F32 columns. */
 #define GM_EPI_BYTES (4 * CWG * 1024)
 #define GM_SB_BYTES 128 /* a stage's B scales: the 16 bytes holding each of its (up to 2) blocks, in a 128-byte slot */
 #define GM_THREADS (128 * (CWG + 1))
