@@ -59,9 +59,10 @@ extern "C" {
  *   AUTO     (the default) the faster of the two where both apply, as
  *            measured on H100: the native kernel for m-grouped products whose
  *            experts average at most 256 rows (many small experts: one
- *            launch instead of one call per expert, 2.2x at 64 experts of
+ *            launch instead of one call per expert, 1.8x at 64 experts of
  *            256 rows) or that come with device split sizes only; cuBLASLt
- *            for dense products and larger experts (native 0.8-0.9x there);
+ *            for dense products and larger experts (native 0.93-1.01x
+ *            there);
  *   LIBRARY  cuBLASLt always (per-expert calls for the grouped forms);
  *   NATIVE   the native sm_90a kernel (grouped_gemm_sm90.cu: TMA, wgmma and
  *            in-kernel block-scale promotion, one persistent launch for all
