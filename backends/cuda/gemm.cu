@@ -523,11 +523,12 @@ static fm_status via_f32_finish(fm_context *ctx, fm_status st, fm_tensor *tmp, f
 
 /* AUTO takes the native kernel for m-grouped products whose experts average
  * at most this many rows, or that come with device split sizes only; cuBLASLt
- * otherwise. Measured in one fm-bench run (device run S18-6, H200,
- * notes/grouped_gemm_sm90.md, K 7168): 64 experts of 256 rows, native 1.57x
- * cuBLASLt's per-expert calls; of 512 rows 0.96-1.01x; 32 of 1024 rows
- * 0.94-0.97x; 8 of 4096 rows 0.98x; dense 8192^3 1.00x. The layer's
- * fp8-flow step ran 1.5% slower with every grouped product native (S18-10). */
+ * otherwise. Measured on H100 in one fm-bench run (device run S18-17,
+ * notes/grouped_gemm_sm90.md, K 7168): 64 experts of 256 rows, native 1.78x
+ * cuBLASLt's per-expert calls; of 512 rows 0.98x; 32 of 1024 rows 0.98x; 8
+ * of 4096 rows 0.94x (the layer's other products 0.93-1.00x); dense 8192^3
+ * 1.01x. The layer's fp8-flow step ran 1.5% slower with every grouped
+ * product native (S18-10, H200). */
 #define NATIVE_AUTO_MAX_MEAN_ROWS 256
 
 /* Whether the native kernel runs this product (1) or cuBLASLt does (0);
