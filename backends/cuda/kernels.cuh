@@ -349,9 +349,10 @@ FM_DI uint32_t fm_fastdiv_div(fm_fastdiv f, uint32_t n)
  * expert, tile row and tile column (the tile kernels of quantize,
  * dequantize and requantize; requantize's row-segment kernel with segments
  * for tiles). With the two counts and the two outputs swapped, tile rows
- * fastest (requantize's plain transposes, rq_tile<false>). A 64-bit `/` or `%` by a run-time value compiles to a
- * subroutine of about 60 instructions, which every thread of a tile kernel
- * would run before its first load. */
+ * fastest (requantize's plain transposes, rq_tile<false>). A 64-bit `/` or
+ * `%` by a run-time value compiles to a subroutine of about 60
+ * instructions, which every thread of a tile kernel would run before its
+ * first load. */
 FM_DI void fm_tile_place(fm_fastdiv ntc, fm_fastdiv ntr, uint32_t t, uint32_t *e, uint32_t *tr, uint32_t *tc)
 {
     const uint32_t tq = fm_fastdiv_div(ntc, t);
