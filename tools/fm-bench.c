@@ -387,7 +387,14 @@ static const gcase gcases[] = {
     {"gemm F32 -> F32, N 8 (router logits) [cuBLASLt]", G_DENSE, 1, 4096, 8, 7168, FM_DTYPE_F32, FM_SCALE_NONE, FM_SCALE_NONE, FM_DTYPE_F32, 0, FM_GEMM_IMPL_LIBRARY},
     {"linear_wgrad F32 -> F32 +=, M 8 (router weight gradient) [streaming]", G_LINWGRAD, 1, 8, 7168, 4096, FM_DTYPE_F32, FM_SCALE_NONE, FM_SCALE_NONE, FM_DTYPE_F32, 1, FM_GEMM_IMPL_AUTO},
     {"linear_wgrad F32 -> F32 +=, M 8 (router weight gradient) [cuBLASLt]", G_LINWGRAD, 1, 8, 7168, 4096, FM_DTYPE_F32, FM_SCALE_NONE, FM_SCALE_NONE, FM_DTYPE_F32, 1, FM_GEMM_IMPL_LIBRARY},
-    {"grouped_gemm_wgrad E4M3 1x128 x 128x128 -> F32 +=, E=8 (x per 128x128 tile: the flow recipes' call)", G_WGRAD, 8, 32768, 4096, 7168, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_F32, 1, FM_GEMM_IMPL_AUTO},
+    /* The flow recipes' weight gradients (x and h per 128x128 tile): the layer's W1 [E, 4096, 7168]
+     * and W2 [E, 7168, 2048] over 8 experts of 4096 rows, each native and through cuBLASLt. */
+    {"grouped_gemm_wgrad E4M3 1x128 x 128x128 -> F32 +=, E=8, layer W1, N 4096 K 7168 [native sm90]", G_WGRAD, 8, 32768, 4096, 7168, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_F32, 1, FM_GEMM_IMPL_NATIVE},
+    {"grouped_gemm_wgrad E4M3 1x128 x 128x128 -> F32 +=, E=8, layer W1, N 4096 K 7168 [cuBLASLt]", G_WGRAD, 8, 32768, 4096, 7168, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_F32, 1, FM_GEMM_IMPL_LIBRARY},
+    {"grouped_gemm_wgrad E4M3 1x128 x 128x128 -> F32 +=, E=8, layer W2, N 7168 K 2048 [native sm90]", G_WGRAD, 8, 32768, 7168, 2048, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_F32, 1, FM_GEMM_IMPL_NATIVE},
+    {"grouped_gemm_wgrad E4M3 1x128 x 128x128 -> F32 +=, E=8, layer W2, N 7168 K 2048 [cuBLASLt]", G_WGRAD, 8, 32768, 7168, 2048, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_F32, 1, FM_GEMM_IMPL_LIBRARY},
+    {"grouped_gemm_wgrad E4M3 1x128 x 128x128 -> F32, E=8, layer W1, N 4096 K 7168 [native sm90]", G_WGRAD, 8, 32768, 4096, 7168, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_F32, 0, FM_GEMM_IMPL_NATIVE},
+    {"grouped_gemm_wgrad E4M3 1x128 x 128x128 -> BF16, E=8, layer W1, N 4096 K 7168 [native sm90]", G_WGRAD, 8, 32768, 4096, 7168, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_128x128, FM_DTYPE_BF16, 0, FM_GEMM_IMPL_NATIVE},
     {"grouped_gemm_wgrad E4M3 1x128 x 1x128 -> F32 +=, E=8", G_WGRAD, 8, 32768, 4096, 7168, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_BLOCK_1x128, FM_DTYPE_F32, 1, FM_GEMM_IMPL_AUTO},
     {"grouped_gemm_wgrad BF16 -> F32 +=, E=8", G_WGRAD, 8, 32768, 4096, 7168, FM_DTYPE_BF16, FM_SCALE_NONE, FM_SCALE_NONE, FM_DTYPE_F32, 1, FM_GEMM_IMPL_AUTO},
 };

@@ -81,6 +81,19 @@ const char *fm_cuda_gemm_sm90_why_not(fm_context *ctx, const fm_splits *splits, 
                                       const fm_tensor *b, const fm_tensor *d);
 fm_status fm_cuda_gemm_sm90(fm_context *ctx, const fm_gemm_config *cfg, const fm_splits *splits, const fm_tensor *a,
                             const fm_tensor *b, fm_tensor *d);
+/* Its k-grouped form (the experts' weight gradients): one expert's operands,
+ * dW_e [N, K] (+)= A [N, m] · B [K, m]ᵀ with m contiguous in both and their
+ * GEMM-layout scales (A 1x128, B 128x128); why it cannot run a product; the
+ * product over n non-empty experts. */
+typedef struct {
+    const void *a, *b;
+    const float *sa, *sb;
+    int64_t m, e;
+} fm_sm90_kjob;
+const char *fm_cuda_gemm_wgrad_sm90_why_not(fm_context *ctx, const fm_splits *splits, const fm_tensor *dy,
+                                            const fm_tensor *x, const fm_tensor *dw);
+fm_status fm_cuda_gemm_wgrad_sm90(fm_context *ctx, const fm_gemm_config *cfg, const fm_tensor *dy, const fm_tensor *x,
+                                  fm_tensor *dw, const fm_sm90_kjob *jobs, int64_t n);
 /* F32 products with M or N at most 16 (gemm_f32_skinny.cu): which kernel
  * takes D [M, N] = A · Bᵀ (0: none), and the product. */
 int fm_cuda_gemm_skinny_kind(const fm_tensor *a, const fm_tensor *b, const fm_tensor *d, int64_t M, int64_t N,

@@ -531,6 +531,13 @@ static fm_status via_f32_finish(fm_context *ctx, fm_status st, fm_tensor *tmp, f
  * product native (S18-10, H200). */
 #define NATIVE_AUTO_MAX_MEAN_ROWS 256
 
+/* Whether AUTO takes the native kernel for the k-grouped weight gradients
+ * it can run (dy 1x128 x x 128x128): not yet. S19-7 (H100, one fm-bench
+ * run): the layer's W1 gradient into F32 += native 1119 TFLOP/s against
+ * cuBLASLt's per-expert calls 1156 (0.97x), W2's 1095 against 1130; the
+ * fp8-flow layer step 9.30 / 9.42 ms -> 9.58 / 9.51 ms with it. */
+#define NATIVE_AUTO_WGRAD 0
+
 /* Whether the native kernel runs this product (1) or cuBLASLt does (0);
  * with cfg->impl NATIVE and a product it cannot take, *st gets the error. */
 static int pick_native(fm_context *ctx, const fm_gemm_config *cfg, const fm_splits *sp, const fm_tensor *a,
@@ -819,10 +826,11 @@ extern "C" fm_status fm_cuda_grouped_gemm(fm_context *ctx, const fm_gemm_config 
 extern "C" fm_status fm_cuda_grouped_gemm_wgrad(fm_context *ctx, const fm_gemm_config *cfg, const fm_splits *splits,
                                                 const fm_tensor *dy, const fm_tensor *x, fm_tensor *dw)
 {
-    if (cfg->impl == FM_GEMM_IMPL_NATIVE)
+    const char *why = cfg->impl == FM_GEMM_IMPL_LIBRARY ? "" : fm_cuda_gemm_wgrad_sm90_why_not(ctx, splits, dy, x, dw);
+    if (cfg->impl == FM_GEMM_IMPL_NATIVE && why)
         return fm_error(ctx, FM_ERR_UNSUPPORTED,
-                        "fm_grouped_gemm_wgrad: cfg->impl is NATIVE, and the native FP8 kernel does not do the "
-                        "k-grouped product yet (AUTO or LIBRARY run it through cuBLASLt)");
+                        "fm_grouped_gemm_wgrad: cfg->impl is NATIVE, and the native FP8 kernel %s", why);
+    const int native = !why && (cfg->impl == FM_GEMM_IMPL_NATIVE || NATIVE_AUTO_WGRAD);
     if (dy->dtype == FM_DTYPE_F32 && dw->dtype != FM_DTYPE_F32) {
         fm_tensor tmp;
         void *buf;
@@ -847,7 +855,10 @@ extern "C" fm_status fm_cuda_grouped_gemm_wgrad(fm_context *ctx, const fm_gemm_c
         return st;
     cudaStream_t s = fm_cuda_stream(ctx);
     expert_job *jobs = (expert_job *)calloc((size_t)E + 1, sizeof *jobs);
-    if (!jobs) {
+    fm_sm90_kjob *kjobs = native ? (fm_sm90_kjob *)calloc((size_t)E + 1, sizeof *kjobs) : NULL;
+    if (!jobs || (native && !kjobs)) {
+        free(jobs);
+        free(kjobs);
         fm_cuda_leave(ctx, &g, cudaSuccess, "fm_grouped_gemm_wgrad");
         return fm_error(ctx, FM_ERR_OUT_OF_MEMORY, "fm_grouped_gemm_wgrad: out of host memory");
     }
@@ -860,9 +871,10 @@ extern "C" fm_status fm_cuda_grouped_gemm_wgrad(fm_context *ctx, const fm_gemm_c
                            (repx ? repack_bytes(x->scale_mode, K, splits->host[e]) : 0);
     void *scratch;
     int owned;
-    if ((st = fm_cuda_scratch(ctx, scale_bytes + GEMM_STREAMS * LT_WS_GROUPED, &scratch, &owned,
+    if ((st = fm_cuda_scratch(ctx, scale_bytes + (native ? 0 : GEMM_STREAMS * LT_WS_GROUPED), &scratch, &owned,
                               "fm_grouped_gemm_wgrad"))) {
         free(jobs);
+        free(kjobs);
         fm_cuda_leave(ctx, &g, cudaSuccess, "fm_grouped_gemm_wgrad");
         return st;
     }
@@ -913,6 +925,8 @@ extern "C" fm_status fm_cuda_grouped_gemm_wgrad(fm_context *ctx, const fm_gemm_c
         j->K = m;
         j->d = de;
         j->ldd = K;
+        if (native)
+            kjobs[n - 1] = (fm_sm90_kjob){j->a.data, j->b.data, j->a.scale, j->b.scale, m, e};
         if (fp8) {
             soff_dy += fm_scale_count_2d(FM_SCALE_BLOCK_1x128, dy->scale_layout, N, m);
             soff_x += fm_scale_count_2d(x->scale_mode, x->scale_layout, K, m);
@@ -923,9 +937,12 @@ extern "C" fm_status fm_cuda_grouped_gemm_wgrad(fm_context *ctx, const fm_gemm_c
         st = repack_flush(ctx, bdy);
     if (!st)
         st = repack_flush(ctx, bx);
-    if (!st)
+    if (!st && native)
+        st = fm_cuda_gemm_wgrad_sm90(ctx, cfg, dy, x, dw, kjobs, n);
+    else if (!st)
         st = run_grouped(ctx, jobs, n, dw->dtype, cfg->accumulate, p);
     free(jobs);
+    free(kjobs);
     cudaError_t err = owned ? cudaFreeAsync(scratch, s) : cudaSuccess;
     fm_status st2 = fm_cuda_leave(ctx, &g, err, "cudaFreeAsync(scratch)");
     return st ? st : st2;

@@ -2,7 +2,8 @@
  * expert layout, and dense as one group. D [ΣM_i, N] = A [ΣM_i, K] · B_iᵀ,
  * both FP8 with K contiguous, scaled BLOCK_1x128 x BLOCK_128x128 (DeepSeek)
  * or TENSOR x TENSOR (one scale per expert for B). Output BF16, F32, or added
- * into F32.
+ * into F32 (by reductions in the L2). Its k-grouped form, the experts'
+ * weight gradients over ragged M_i, is the second kernel below (gk_kernel).
  *
  * One persistent launch: every CTA walks the tiles t = blockIdx.x,
  * + gridDim.x, ... of all experts (split sizes read on the device, so no host
@@ -253,6 +254,17 @@ __device__ static __forceinline__ void gm_mma(float *d, uint64_t da, uint64_t db
         GM_MMA_TYPED(GM_WGMMA_N192, d, da, db, acc);
 }
 
+/* Tile L of one expert's mt x nt grid -> (m block, n block): GM_GROUP_M m
+ * blocks sweep the n blocks together. */
+__device__ static __forceinline__ void gm_swizzle(int L, int mt, int nt, int *mb, int *nb)
+{
+    int g = L / (GM_GROUP_M * nt), first = g * GM_GROUP_M;
+    int gm = mt - first < GM_GROUP_M ? mt - first : GM_GROUP_M;
+    int r = L - g * GM_GROUP_M * nt;
+    *mb = first + r % gm;
+    *nb = r / gm;
+}
+
 /* Tile t of all experts -> (expert, m block, n block). Empty experts share
  * their start with the next expert; the last start <= t is the one that owns
  * tiles. Inside an expert, GM_GROUP_M m blocks sweep the n blocks together. */
@@ -267,14 +279,8 @@ __device__ static __forceinline__ void gm_tile(const int *tile_pfx, const int *r
         else
             hi = mid - 1;
     }
-    int L = t - tile_pfx[lo];
-    int mt = (row_pfx[lo + 1] - row_pfx[lo] + bm - 1) / bm;
-    int g = L / (GM_GROUP_M * nt), first = g * GM_GROUP_M;
-    int gm = mt - first < GM_GROUP_M ? mt - first : GM_GROUP_M;
-    int r = L - g * GM_GROUP_M * nt;
     *e = lo;
-    *mb = first + r % gm;
-    *nb = r / gm;
+    gm_swizzle(t - tile_pfx[lo], (row_pfx[lo + 1] - row_pfx[lo] + bm - 1) / bm, nt, mb, nb);
 }
 
 /* Consumer side of one K block: wait for its stage, read its scales (into
@@ -346,42 +352,66 @@ __device__ static __forceinline__ void gm_retire(float *acc, float *part, uint64
     }
 }
 
-/* Stores a warp's 16 x BN BF16 outputs (rows from expert row r0; expert
- * rows start at global row g0, m_e of them; columns from n0) 32 columns at a
- * time through its 1 KB staging area: stmatrix turns the accumulator layout
- * (each lane 4 bytes of a row per 8 columns) into rows, read back 16 bytes a
- * lane. Stored straight from registers, 4-byte pieces of 8 rows per
- * instruction held the epilogue to the store pipe's pace (ncu: 5% of the
- * samples, both warpgroups idle on the tensor cores); this stores 4 times
- * fewer, whole 64-byte row pieces. Rows of 64 bytes: the 16-byte chunk c of
- * row r sits at chunk c ^ (r / 2 % 4), so neither side has bank conflicts. */
-template <int BN>
-__device__ static __forceinline__ void gm_store_bf16(const gm_params *p, const float *acc, uint32_t buf, int lane,
-                                                     int r0, int g0, int m_e, int n0)
+/* A warp's 16 rows of BF16 outputs, column groups j0 to j0 + 3 (32
+ * columns), into its 1 KB staging chunk `buf`: stmatrix turns the
+ * accumulator layout (each lane 4 bytes of a row per 8 columns) into rows of
+ * 64 bytes, the 16-byte chunk c of row r at chunk c ^ (r / 2 % 4), so that
+ * neither side has bank conflicts. */
+__device__ static __forceinline__ void gm_stage_bf16(const float *acc, uint32_t buf, int lane, int j0)
 {
     const int lrow = ((lane >> 3) & 1) * 8 + (lane & 7); /* the row whose address this lane gives stmatrix */
 #pragma unroll
+    for (int h = 0; h < 2; h++) {
+        /* matrices: rows 0-7 and 8-15 of column group j, then of j + 1 */
+        const int j = j0 + 2 * h, cc = 2 * h + (lane >> 4);
+        uint32_t w[4];
+        __nv_bfloat162 b;
+        b = __floats2bfloat162_rn(acc[4 * j + 0], acc[4 * j + 1]);
+        w[0] = *(uint32_t *)&b;
+        b = __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
+        w[1] = *(uint32_t *)&b;
+        b = __floats2bfloat162_rn(acc[4 * j + 4], acc[4 * j + 5]);
+        w[2] = *(uint32_t *)&b;
+        b = __floats2bfloat162_rn(acc[4 * j + 6], acc[4 * j + 7]);
+        w[3] = *(uint32_t *)&b;
+        const uint32_t a = buf + lrow * 64 + ((cc ^ ((lrow >> 1) & 3)) << 4);
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(w[0]),
+                     "r"(w[1]), "r"(w[2]), "r"(w[3])
+                     : "memory");
+    }
+}
+
+/* As gm_stage_bf16 for F32 outputs: 16 columns (chunk c of the warp's
+ * rows), in the same swizzled rows of 64 bytes. */
+__device__ static __forceinline__ void gm_stage_f32(const float *acc, uint32_t buf, int lane, int c)
+{
+    const int lr = lane >> 2, sw = (lr >> 1) & 3; /* rows lr and lr + 8 share the swizzle */
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int j = 2 * c + h, u = 2 * h + ((lane & 3) >> 1);
+        const uint32_t a = buf + lr * 64 + ((u ^ sw) << 4) + (lane & 1) * 8;
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(a), "f"(acc[4 * j + 0]), "f"(acc[4 * j + 1])
+                     : "memory");
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(a + 8 * 64), "f"(acc[4 * j + 2]), "f"(acc[4 * j + 3])
+                     : "memory");
+    }
+}
+
+/* Stores a warp's 16 x BN BF16 outputs (rows from expert row r0; expert
+ * rows start at global row g0, m_e of them; columns from n0) 32 columns at a
+ * time through its 1 KB staging area (gm_stage_bf16), read back 16 bytes a
+ * lane. Stored straight from registers, 4-byte pieces of 8 rows per
+ * instruction held the epilogue to the store pipe's pace (ncu: 5% of the
+ * samples, both warpgroups idle on the tensor cores); this stores 4 times
+ * fewer, whole 64-byte row pieces. */
+template <int BN, typename P>
+__device__ static __forceinline__ void gm_store_bf16(const P *p, const float *acc, uint32_t buf, int lane,
+                                                     int r0, int g0, int m_e, int n0)
+{
+#pragma unroll
     for (int j0 = 0; j0 < BN / 8; j0 += 4) {
         __syncwarp(); /* the previous chunk's reads are done */
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            /* matrices: rows 0-7 and 8-15 of column group j, then of j + 1 */
-            const int j = j0 + 2 * h, cc = 2 * h + (lane >> 4);
-            uint32_t w[4];
-            __nv_bfloat162 b;
-            b = __floats2bfloat162_rn(acc[4 * j + 0], acc[4 * j + 1]);
-            w[0] = *(uint32_t *)&b;
-            b = __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
-            w[1] = *(uint32_t *)&b;
-            b = __floats2bfloat162_rn(acc[4 * j + 4], acc[4 * j + 5]);
-            w[2] = *(uint32_t *)&b;
-            b = __floats2bfloat162_rn(acc[4 * j + 6], acc[4 * j + 7]);
-            w[3] = *(uint32_t *)&b;
-            const uint32_t a = buf + lrow * 64 + ((cc ^ ((lrow >> 1) & 3)) << 4);
-            asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(w[0]),
-                         "r"(w[1]), "r"(w[2]), "r"(w[3])
-                         : "memory");
-        }
+        gm_stage_bf16(acc, buf, lane, j0);
         __syncwarp();
 #pragma unroll
         for (int q = 0; q < 2; q++) {
@@ -409,90 +439,58 @@ __device__ static __forceinline__ void gm_store_bf16(const gm_params *p, const f
     }
 }
 
-/* As gm_store_bf16 for F32 outputs, 16 columns (64 bytes a row) at a time;
- * with accumulate, the old values are loaded first, all in flight, into
- * `old` (BN / 2 floats: the 16-byte pieces this lane stores). */
-template <int BN>
-__device__ static __forceinline__ void gm_store_f32(const gm_params *p, const float *acc, float *old, uint32_t buf,
-                                                    int lane, int r0, int g0, int m_e, int n0)
+/* As gm_store_bf16 for F32 outputs, 16 columns (64 bytes a row) at a time.
+ * With accumulate, each 16-byte piece is added where it lies by a vector
+ * reduction (red.add.v4.f32, performed in the L2, RNE, F32 subnormals
+ * flushed to zero): the old D never comes into the SM. Loading it first
+ * (into the free partial accumulator) and storing the sum ran 10% slower on
+ * the grouped E 8 product (S19-6: 1040 -> 1142 TFLOP/s). One writer per
+ * element: the sum is the same bits run to run. */
+template <int BN, typename P>
+__device__ static __forceinline__ void gm_store_f32(const P *p, const float *acc, uint32_t buf, int lane, int r0,
+                                                    int g0, int m_e, int n0)
 {
-    if (p->accumulate) {
-#pragma unroll
-        for (int i = 0; i < BN / 8; i++) { /* piece i: chunk i / 2, the lane's (i & 1)-th of it */
-            const int pc = lane + 32 * (i & 1), row = pc >> 2, col = n0 + (i >> 1) * 16 + (pc & 3) * 4;
-            const int er = r0 + row;
-            const long long gr = (long long)g0 + er;
-            float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (er < m_e && gr < p->rows && col < p->n) {
-                const float *o = (const float *)p->d + gr * p->ldd + col;
-                if (p->vec && col + 4 <= p->n)
-                    v = *(const float4 *)o;
-                else {
-                    v.x = o[0];
-                    v.y = col + 1 < p->n ? o[1] : 0.0f;
-                    v.z = col + 2 < p->n ? o[2] : 0.0f;
-                    v.w = col + 3 < p->n ? o[3] : 0.0f;
-                }
-            }
-            old[4 * i + 0] = v.x;
-            old[4 * i + 1] = v.y;
-            old[4 * i + 2] = v.z;
-            old[4 * i + 3] = v.w;
-        }
-    }
-    const int lr = lane >> 2, sw = (lr >> 1) & 3; /* rows lr and lr + 8 share the swizzle */
 #pragma unroll
     for (int c = 0; c < BN / 16; c++) {
         __syncwarp(); /* the previous chunk's reads are done */
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int j = 2 * c + h, u = 2 * h + ((lane & 3) >> 1);
-            const uint32_t a = buf + lr * 64 + ((u ^ sw) << 4) + (lane & 1) * 8;
-            asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(a), "f"(acc[4 * j + 0]), "f"(acc[4 * j + 1])
-                         : "memory");
-            asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(a + 8 * 64), "f"(acc[4 * j + 2]),
-                         "f"(acc[4 * j + 3])
-                         : "memory");
-        }
+        gm_stage_f32(acc, buf, lane, c);
         __syncwarp();
 #pragma unroll
         for (int q = 0; q < 2; q++) {
-            const int i = 2 * c + q, pc = lane + 32 * q, row = pc >> 2, u = pc & 3;
+            const int pc = lane + 32 * q, row = pc >> 2, u = pc & 3;
             float4 v;
             asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
                          : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
                          : "r"(buf + row * 64 + ((u ^ ((row >> 1) & 3)) << 4))
                          : "memory");
-            if (p->accumulate) {
-                v.x += old[4 * i + 0];
-                v.y += old[4 * i + 1];
-                v.z += old[4 * i + 2];
-                v.w += old[4 * i + 3];
-            }
             const int er = r0 + row, col = n0 + c * 16 + u * 4;
             const long long gr = (long long)g0 + er;
             if (er < m_e && gr < p->rows && col < p->n) {
                 float *o = (float *)p->d + gr * p->ldd + col;
-                if (p->vec && col + 4 <= p->n)
-                    *(float4 *)o = v;
-                else {
-                    o[0] = v.x;
-                    if (col + 1 < p->n)
-                        o[1] = v.y;
-                    if (col + 2 < p->n)
-                        o[2] = v.z;
-                    if (col + 3 < p->n)
-                        o[3] = v.w;
-                }
+                const float x[4] = {v.x, v.y, v.z, v.w};
+                if (p->vec && col + 4 <= p->n) {
+                    if (p->accumulate)
+                        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(o), "f"(v.x), "f"(v.y),
+                                     "f"(v.z), "f"(v.w)
+                                     : "memory");
+                    else
+                        *(float4 *)o = v;
+                } else
+                    for (int i = 0; i < 4 && col + i < p->n; i++) {
+                        if (p->accumulate)
+                            asm volatile("red.global.add.f32 [%0], %1;" ::"l"(o + i), "f"(x[i]) : "memory");
+                        else
+                            o[i] = x[i];
+                    }
             }
         }
     }
 }
 
-template <int CWG, int BN>
+template <int STAGES>
 __device__ static __forceinline__ void gm_next(int *s, int *ph)
 {
-    if (++*s == GM_STAGES) {
+    if (++*s == STAGES) {
         *s = 0;
         *ph ^= 1;
     }
@@ -650,18 +648,140 @@ __global__ void __launch_bounds__(GM_THREADS, 1)
                 gm_issue<TA, TB, BLK, CWG, BN>(part, sm_u, full, sa_u, sb_u, s, ph, kb, wg, sa_row, nb & 1, ts, s0, s1);
                 asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
                 gm_retire<CL, BN>(acc, part, empty, s, lane, s0, s1);
-                gm_next<CWG, BN>(&s, &ph);
+                gm_next<GM_STAGES>(&s, &ph);
             }
             const uint32_t buf = gm_sa(epi) + warp * 1024;
             const int wr0 = mb * GM_BM + wg * 64 + (warp & 3) * 16; /* the warp's first expert row */
-            if (DF32) /* the partial accumulator is free now: it holds the old D */
-                gm_store_f32<BN>(&p, acc, part, buf, lane, wr0, row_pfx[e], m_e, nb * GM_BN);
+            if (DF32)
+                gm_store_f32<BN>(&p, acc, buf, lane, wr0, row_pfx[e], m_e, nb * GM_BN);
             else
                 gm_store_bf16<BN>(&p, acc, buf, lane, wr0, row_pfx[e], m_e, nb * GM_BN);
         }
     }
     if (CL > 1)
         gm_cluster_sync();
+#endif
+}
+
+/* ---- k-grouped: the experts' weight gradients ----------------------------
+ *
+ * dW_e [N, K] (+)= A_e [N, m_e] · B_e [K, m_e]ᵀ for every expert e: A_e is
+ * dY_eᵀ and B_e is X_eᵀ in the grouped column-wise layout (each expert its
+ * own row-major matrix, m_e contiguous), A 1x128 and B 128x128 blocks along
+ * m_e (the ROWMAX transpose of x): the m-grouped kernel's scale pair, so the
+ * consumers' issue, promotion and epilogue are its code. What differs: the
+ * row pitch m_e changes per expert, so every expert has its own tensor maps,
+ * and they travel in the kernel parameters (GK_MAX experts a launch); every
+ * expert has the same ceil(N / BM) x ceil(K / BN) tiles with ceil(m_e / 128)
+ * K blocks (TMA zero-fills past m_e); the A scales come by bulk copy. The
+ * shared memory is laid out as the m-grouped kernel's, without its tables. */
+#define GK_MAX 64 /* experts a launch: 2 tensor maps each in the parameters (at most 32 KB) */
+
+typedef struct {
+    CUtensorMap a[GK_MAX], b[GK_MAX]; /* A_g [N, m_g] and B_g [K, m_g], bytes, 128-byte swizzle */
+    /* GEMM layout: A 1x128 [ceil(m/128)][sa_ld], B 128x128 [ceil(K/128)][round_up(ceil(m/128), 4)] */
+    const float *sa[GK_MAX], *sb[GK_MAX];
+    int m[GK_MAX], e[GK_MAX]; /* m_g > 0, and the expert's index in D */
+    int groups, dr, sa_ld; /* dr: the rows of each dW_e (N) */
+    /* D [E * dr, n] as the m-grouped epilogue writes it (gm_params' names) */
+    void *d;
+    long long ldd;
+    int rows, n, vec, accumulate;
+} gk_params;
+
+template <int TA, int TB, int DF32, int CWG, int BN>
+__global__ void __launch_bounds__(GM_THREADS, 1) gk_kernel(const __grid_constant__ gk_params p)
+{
+#if !GM_SM90A
+    __trap();
+#else
+    extern __shared__ unsigned char gm_smem_raw[];
+    unsigned char *sm = (unsigned char *)(((uintptr_t)gm_smem_raw + 1023) & ~(uintptr_t)1023);
+    float *s_sa = (float *)(sm + GM_STAGES * GM_STAGE_BYTES);
+    float *s_sb = (float *)((unsigned char *)s_sa + GM_STAGES * GM_SA_BYTES);
+    uint64_t *full = (uint64_t *)((unsigned char *)s_sb + GM_STAGES * GM_SB_BYTES);
+    uint64_t *empty = full + GM_STAGES;
+    unsigned char *epi = (unsigned char *)(((uintptr_t)(empty + GM_STAGES) + 127) & ~(uintptr_t)127);
+    const int warp = __shfl_sync(0xffffffffu, threadIdx.x >> 5, 0), lane = threadIdx.x & 31;
+    const int mt = (p.dr + GM_BM - 1) / GM_BM, nt = (p.n + GM_BN - 1) / GM_BN, per = mt * nt;
+    const int total = p.groups * per, nblk = (p.n + 127) / 128;
+
+    if (warp == 1 && lane == 0) {
+        for (int s = 0; s < GM_STAGES; s++) {
+            gm_bar_init(&full[s], 1);
+            gm_bar_init(&empty[s], 4 * CWG); /* one arrival per consumer warp */
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp >= 4 * CWG) {
+        if (CWG == 2)
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        else
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n" ::: "memory");
+        if (warp == 4 * CWG && lane == 0) {
+            int s = 0, ph = 0;
+            for (int t = blockIdx.x; t < total; t += gridDim.x) {
+                const int g = t / per;
+                int mb, nb;
+                gm_swizzle(t - g * per, mt, nt, &mb, &nb);
+                const int nkb = (p.m[g] + GM_BK - 1) / GM_BK, sb_ns = (nkb + 3) & ~3, r0 = mb * GM_BM;
+                /* the tile's A scales, up to the padded row count */
+                const uint32_t sab = (uint32_t)(p.sa_ld - r0 < GM_BM ? p.sa_ld - r0 : GM_BM) * 4;
+                const float *sa = p.sa[g] + r0, *sb = p.sb[g];
+                for (int kb = 0; kb < nkb; kb++) {
+                    gm_bar_wait(&empty[s], ph ^ 1);
+                    unsigned char *st = sm + s * GM_STAGE_BYTES;
+                    gm_bar_expect(&full[s], GM_STAGE_BYTES + sab + 16 * (BN == 128 ? 1 : 2));
+                    gm_tma_load(st, &p.a[g], &full[s], kb * GM_BK, r0);
+                    gm_tma_load(st + GM_TILE_A, &p.b[g], &full[s], kb * GM_BK, nb * GM_BN);
+                    gm_bulk_load(s_sa + s * (GM_SA_BYTES / 4), sa + (long long)kb * p.sa_ld, sab, &full[s]);
+                    /* B blocks as the m-grouped kernel takes them: past K, the last one */
+                    for (int h = 0; h < (BN == 128 ? 1 : 2); h++) {
+                        const int bk = nb * BN / 128 + h < nblk ? nb * BN / 128 + h : nblk - 1;
+                        gm_bulk_load(s_sb + s * (GM_SB_BYTES / 4) + 4 * h, sb + (long long)bk * sb_ns + (kb & ~3), 16,
+                                     &full[s]);
+                    }
+                    gm_next<GM_STAGES>(&s, &ph);
+                }
+            }
+        }
+    } else {
+        if (CWG == 2)
+            asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+        else
+            asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n" ::: "memory");
+        const int wg = warp >> 2, wr = (warp & 3) * 16 + (lane >> 2);
+        const uint32_t sm_u = gm_sa(sm), sa_u = gm_sa(s_sa), sb_u = gm_sa(s_sb), buf = gm_sa(epi) + warp * 1024;
+        float acc[BN / 2], part[BN / 2];
+#pragma unroll
+        for (int i = 0; i < BN / 2; i++)
+            part[i] = 0.0f;
+        int s = 0, ph = 0;
+        for (int t = blockIdx.x; t < total; t += gridDim.x) {
+            const int g = t / per;
+            int mb, nb;
+            gm_swizzle(t - g * per, mt, nt, &mb, &nb);
+            const int nkb = (p.m[g] + GM_BK - 1) / GM_BK;
+#pragma unroll
+            for (int i = 0; i < BN / 2; i++)
+                acc[i] = 0.0f;
+            for (int kb = 0; kb < nkb; kb++) {
+                float s0[3], s1[3];
+                gm_issue<TA, TB, 1, CWG, BN>(part, sm_u, full, sa_u, sb_u, s, ph, kb, wg, wg * 64 + wr, nb & 1, 1.0f,
+                                             s0, s1);
+                asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+                gm_retire<1, BN>(acc, part, empty, s, lane, s0, s1);
+                gm_next<GM_STAGES>(&s, &ph);
+            }
+            const int r0 = mb * GM_BM + wg * 64 + (warp & 3) * 16; /* the warp's first row of dW_e */
+            if (DF32)
+                gm_store_f32<BN>(&p, acc, buf, lane, r0, p.e[g] * p.dr, p.dr, nb * GM_BN);
+            else
+                gm_store_bf16<BN>(&p, acc, buf, lane, r0, p.e[g] * p.dr, p.dr, nb * GM_BN);
+        }
+    }
 #endif
 }
 
@@ -806,8 +926,10 @@ static int gm_tile_knob(void)
  * 8192^3 1317 against 1260), which runs 8% faster than 128 x 128; 128-row
  * tiles win on 1024-row experts and below (64 of 256 rows, N 2048: 128 x 192
  * 1107, 192 x 128 803). Device-only sizes: by the mean. FLOWMOE_SM90_TILE
- * forces a shape. */
-static int gm_pick_shape(const fm_splits *splits, int64_t S, int64_t N)
+ * forces a shape. `speed`: each shape's speed per output computed, in
+ * GM_192x128, GM_128x128, GM_128x192 order. */
+static const double gm_speed_mgrouped[3] = {1.07, 0.92, 1.0};
+static int gm_pick_shape(const fm_splits *splits, int64_t S, int64_t N, const double *speed)
 {
     const int forced = gm_tile_knob();
     if (forced >= 0)
@@ -820,7 +942,7 @@ static int gm_pick_shape(const fm_splits *splits, int64_t S, int64_t N)
         r3 += (double)fm_round_up(m, 192);
     }
     const double n128 = (double)fm_round_up(N, 128), n192 = (double)fm_round_up(N, 192);
-    const double c[3] = {r3 * n128 / 1.07, r2 * n128 / 0.92, r2 * n192}; /* GM_192x128, GM_128x128, GM_128x192 */
+    const double c[3] = {r3 * n128 / speed[0], r2 * n128 / speed[1], r2 * n192 / speed[2]};
     return c[0] <= c[1] && c[0] <= c[2] ? GM_192x128 : c[1] < c[2] ? GM_128x128 : GM_128x192;
 }
 
@@ -875,7 +997,7 @@ extern "C" fm_status fm_cuda_gemm_sm90(fm_context *ctx, const fm_gemm_config *cf
     int64_t E = splits ? splits->groups : 1;
     int64_t nkb = fm_cdiv(K, 128), R4 = fm_round_up(S, 4);
     int blk = a->scale_mode == FM_SCALE_BLOCK_1x128, cl = gm_cluster_size();
-    const int shape = gm_pick_shape(splits, S, N);
+    const int shape = gm_pick_shape(splits, S, N, gm_speed_mgrouped);
     const int CWG = shape == GM_192x128 ? 3 : 2, BN = shape == GM_128x192 ? 192 : 128; /* read by the GM_ macros below */
     cudaStream_t s = fm_cuda_stream(ctx);
     fm_status st = FM_OK;
@@ -951,5 +1073,124 @@ extern "C" fm_status fm_cuda_gemm_sm90(fm_context *ctx, const fm_gemm_config *cf
         if (!st)
             st = st2;
     }
+    return st;
+}
+
+/* ---- host: k-grouped ------------------------------------------------------ */
+
+/* Why the native kernel cannot run this weight gradient (NULL: it can). */
+extern "C" const char *fm_cuda_gemm_wgrad_sm90_why_not(fm_context *ctx, const fm_splits *splits,
+                                                       const fm_tensor *dy, const fm_tensor *x, const fm_tensor *dw)
+{
+    const cudaDeviceProp *pr = &fm_cuda(ctx)->prop;
+    if (pr->major != 9 || pr->minor != 0)
+        return "runs on compute capability 9.0 (H100/H200) only";
+    if (!gm_fp8(dy->dtype) || !gm_fp8(x->dtype))
+        return "takes FP8 (E4M3/E5M2) operands only";
+    if (dy->scale_mode != FM_SCALE_BLOCK_1x128 || x->scale_mode != FM_SCALE_BLOCK_128x128)
+        return "takes the k-grouped scale pair dy BLOCK_1x128 x x BLOCK_128x128 only (x from the ROWMAX transpose)";
+    if (dw->dtype != FM_DTYPE_BF16 && dw->dtype != FM_DTYPE_F32)
+        return "writes BF16 or F32 only";
+    int64_t E = dw->shape[0], N = dw->shape[1], K = dw->shape[2];
+    for (int64_t e = 0; e < E; e++)
+        if (splits->host[e] % 16)
+            return "needs every M_i a multiple of 16 (an expert's rows are a TMA row pitch)";
+    if (K * (dw->dtype == FM_DTYPE_F32 ? 4 : 2) % 16 || (uintptr_t)dw->data % 16)
+        return "needs dW's rows a multiple of 16 bytes (K a multiple of 4 for F32, 8 for BF16) and dW 16-byte "
+               "aligned (TMA)";
+    if (((uintptr_t)dy->data | (uintptr_t)x->data) % 16 ||
+        (dy->scale_layout == FM_SCALE_LAYOUT_GEMM && (uintptr_t)dy->scale % 16) ||
+        (x->scale_layout == FM_SCALE_LAYOUT_GEMM && (uintptr_t)x->scale % 16))
+        return "needs 16-byte aligned operands and scales (TMA)";
+    if (N >= INT_MAX / 2 || K >= INT_MAX / 2 || E * N >= INT_MAX || fm_cdiv(N, 64) * fm_cdiv(K, 128) * GK_MAX >= INT_MAX)
+        return "takes fewer than 2^30 rows and columns and 2^31 tiles a launch";
+    if (!gm_encoder())
+        return "needs the driver's cuTensorMapEncodeTiled, which this driver does not give";
+    return NULL;
+}
+
+/* The tile shapes' speeds on the k-grouped product, against 128 x 192 (S19-6,
+ * H100, the layer's W1 gradient into F32 +=: 192 x 128 1100-1103 TFLOP/s,
+ * 128 x 128 1104-1105, 128 x 192 1158-1166; W2's ranks the same). Unlike
+ * the m-grouped product, 192 x 128 does not lead here. */
+static const double gk_speed[3] = {0.95, 0.95, 1.0};
+
+template <int TA, int TB, int DF32, int CWG, int BN>
+static cudaError_t gk_launch(const gk_params *p, int grid, cudaStream_t s)
+{
+    static int ready;
+    if (!ready) {
+        cudaError_t err = cudaFuncSetAttribute(gk_kernel<TA, TB, DF32, CWG, BN>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, (int)GM_SMEM(0));
+        if (err != cudaSuccess)
+            return err;
+        ready = 1;
+    }
+    gk_kernel<TA, TB, DF32, CWG, BN><<<grid, GM_THREADS, GM_SMEM(0), s>>>(*p);
+    return cudaGetLastError();
+}
+
+template <int TA, int TB>
+static cudaError_t gk_launch_ab(int f32, int shape, const gk_params *p, int grid, cudaStream_t s)
+{
+#define GK_L(CWG, BN) (f32 ? gk_launch<TA, TB, 1, CWG, BN>(p, grid, s) : gk_launch<TA, TB, 0, CWG, BN>(p, grid, s))
+    switch (shape) {
+    case GM_192x128: return GK_L(3, 128);
+    case GM_128x128: return GK_L(2, 128);
+    default: return GK_L(2, 192);
+    }
+#undef GK_L
+}
+
+/* dW_e (+)= A_e · B_eᵀ for the n experts in jobs (m > 0 each; the caller
+ * zeroed the empty experts' dW when not accumulating), GK_MAX a launch. The
+ * caller checked fm_cuda_gemm_wgrad_sm90_why_not and holds the device. */
+extern "C" fm_status fm_cuda_gemm_wgrad_sm90(fm_context *ctx, const fm_gemm_config *cfg, const fm_tensor *dy,
+                                             const fm_tensor *x, fm_tensor *dw, const fm_sm90_kjob *jobs, int64_t n)
+{
+    int64_t E = dw->shape[0], N = dw->shape[1], K = dw->shape[2];
+    const int f32 = dw->dtype == FM_DTYPE_F32;
+    /* rows N, columns K: the tile that computes least past them (the experts' rows play no part) */
+    const int shape = gm_pick_shape(NULL, N, K, gk_speed);
+    const int CWG = shape == GM_192x128 ? 3 : 2, BN = shape == GM_128x192 ? 192 : 128; /* 64-row warpgroups, columns */
+    const int ta = dy->dtype == FM_DTYPE_E5M2, tb = x->dtype == FM_DTYPE_E5M2;
+    cudaStream_t s = fm_cuda_stream(ctx);
+    gk_params *p = (gk_params *)malloc(sizeof *p); /* 18 KB: not on the caller's stack */
+    if (!p)
+        return fm_error(ctx, FM_ERR_OUT_OF_MEMORY, "fm_grouped_gemm_wgrad (native): out of host memory");
+    memset(p, 0, sizeof *p);
+    fm_status st = FM_OK;
+    p->dr = (int)N;
+    p->n = (int)K;
+    p->d = dw->data;
+    p->ldd = K;
+    p->rows = (int)(E * N);
+    p->vec = 1; /* fm_cuda_gemm_wgrad_sm90_why_not: rows of 16-byte multiples, 16-byte aligned */
+    p->sa_ld = (int)fm_round_up(N, 4);
+    p->accumulate = cfg->accumulate;
+    const int64_t per = fm_cdiv(N, CWG * 64) * fm_cdiv(K, BN);
+    for (int64_t j0 = 0; j0 < n && !st; j0 += GK_MAX) {
+        const int G = (int)(n - j0 < GK_MAX ? n - j0 : GK_MAX);
+        for (int g = 0; g < G && !st; g++) {
+            const fm_sm90_kjob *j = &jobs[j0 + g];
+            st = gm_map(ctx, &p->a[g], j->a, 0, j->m, N, j->m, GM_BK, CWG * 64, "dy");
+            if (!st)
+                st = gm_map(ctx, &p->b[g], j->b, 0, j->m, K, j->m, GM_BK, BN, "x");
+            p->sa[g] = j->sa;
+            p->sb[g] = j->sb;
+            p->m[g] = (int)j->m;
+            p->e[g] = (int)j->e;
+        }
+        p->groups = G;
+        if (st)
+            break;
+        const int64_t tiles = per * G, sms = fm_cuda(ctx)->prop.multiProcessorCount;
+        const int grid = (int)(tiles < sms ? tiles : sms);
+        cudaError_t err = ta == 0 && tb == 0 ? gk_launch_ab<0, 0>(f32, shape, p, grid, s)
+                          : ta == 0           ? gk_launch_ab<0, 1>(f32, shape, p, grid, s)
+                                              : gk_launch_ab<1, 0>(f32, shape, p, grid, s);
+        st = fm_cuda_check(ctx, err, "native FP8 GEMM (k-grouped) kernel launch");
+    }
+    free(p);
     return st;
 }

@@ -11,7 +11,8 @@
  * many rows, N and K off the 128 tile, one expert holding every row, more
  * experts than CTAs' tile tables hold on the host path, device-only split
  * sizes, split sizes that do not add up (nothing written past D), and the
- * same bits run to run. */
+ * same bits run to run. The k-grouped weight gradient gets the same: both
+ * implementations, the native kernel's refusals, and its own shape classes. */
 #include <math.h>
 #include <stdint.h>
 
@@ -340,8 +341,8 @@ static void grouped_run(fm_context *cpu, fm_context *gpu, const pair_t *p, int64
     if (native_refused(sg, gpu, takes, what))
         sc = FM_ERR_UNSUPPORTED;
     else if (!refused_by_cublaslt(sc, sg, gpu, aligned128(N, K, 0, E, splits)))
-    GT_CHECK(sc == FM_OK && sg == FM_OK, "%s: cpu %s, cuda %s: %s", what, fm_status_name(sc), fm_status_name(sg),
-             fm_last_error(gpu));
+        GT_CHECK(sc == FM_OK && sg == FM_OK, "%s: cpu %s, cuda %s: %s", what, fm_status_name(sc),
+                 fm_status_name(sg), fm_last_error(gpu));
     if (sc == FM_OK && sg == FM_OK) {
         GT_CUDA(cudaDeviceSynchronize());
         compare(&D, what);
@@ -442,13 +443,19 @@ static void native_shapes(fm_context *cpu, fm_context *gpu)
 }
 
 /* k-grouped: the grouped column-wise scale arrays, sized per expert. kind 0:
- * BF16; 1: FP8 x 1x128; 2: FP8 x 128x128 (one scale a tile of each expert). */
+ * BF16; 1: FP8 x 1x128; 2: FP8 x 128x128 (one scale a tile of each expert);
+ * 3: E5M2 dy x E4M3 x 128x128. With NATIVE, the kernel must take exactly
+ * the 128x128 kinds with every M_i a multiple of 16 and dW's rows whole
+ * 16-byte pieces. */
 static void kgrouped(fm_context *cpu, fm_context *gpu, int kind, int64_t E, const int64_t *splits, int64_t N,
                      int64_t K, fm_dtype out, int acc)
 {
     const int isfp8 = kind != 0;
+    int takes = kind >= 2 && K * (int64_t)esize(out) % 16 == 0;
+    for (int64_t e = 0; e < E; e++)
+        takes = takes && splits[e] % 16 == 0;
     fm_scale_mode m = isfp8 ? FM_SCALE_BLOCK_1x128 : FM_SCALE_NONE;
-    fm_scale_mode mx = kind == 2 ? FM_SCALE_BLOCK_128x128 : m;
+    fm_scale_mode mx = kind >= 2 ? FM_SCALE_BLOCK_128x128 : m;
     int64_t S = 0, nsy = 0, nsx = 0;
     fm_scale_layout sl = rnd() & 1 ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT;
     for (int64_t e = 0; e < E; e++) {
@@ -459,27 +466,72 @@ static void kgrouped(fm_context *cpu, fm_context *gpu, int kind, int64_t E, cons
     fm_dtype dt = isfp8 ? FM_DTYPE_E4M3 : FM_DTYPE_BF16;
     fm_layout lay = isfp8 || (rnd() & 1) ? FM_LAYOUT_COLWISE : FM_LAYOUT_ROWWISE;
     pairt Y, X, D = out_pair(out, 3, E, N, K);
-    fill(&Y, operand(dt, m, sl, lay, 2, 1, S, N), isfp8 ? (size_t)nsy : 0);
+    fill(&Y, operand(kind == 3 ? FM_DTYPE_E5M2 : dt, m, sl, lay, 2, 1, S, N), isfp8 ? (size_t)nsy : 0);
     fill(&X, operand(dt, mx, sl, lay, 2, 1, S, K), isfp8 ? (size_t)nsx : 0);
-    GT_CUDA(cudaMemcpy(D.d.data, D.h.data, D.nd, cudaMemcpyHostToDevice));
+    if (acc)
+        GT_CUDA(cudaMemcpy(D.d.data, D.h.data, D.nd, cudaMemcpyHostToDevice));
+    else /* NaN everywhere: an output left unwritten shows */
+        GT_CUDA(cudaMemset(D.d.data, 0xFF, D.nd));
     fm_splits sp = {.groups = E, .host = splits};
-    fm_gemm_config cfg = {.accumulate = acc};
-    char what[160];
-    snprintf(what, sizeof what, "k-grouped %s %s (x %s) E %lld sum M %lld N %lld K %lld -> %s%s", fm_dtype_name(dt),
-             fm_layout_name(lay), fm_scale_mode_name(mx), (long long)E, (long long)S, (long long)N, (long long)K, fm_dtype_name(out),
-             acc ? " accumulate" : "");
+    fm_gemm_config cfg = {.accumulate = acc, .impl = isfp8 ? impl : FM_GEMM_IMPL_AUTO};
+    char what[200];
+    snprintf(what, sizeof what, "k-grouped %s %s (x %s) E %lld sum M %lld N %lld K %lld -> %s%s%s",
+             fm_dtype_name(Y.h.dtype), fm_layout_name(lay), fm_scale_mode_name(mx), (long long)E, (long long)S,
+             (long long)N, (long long)K, fm_dtype_name(out), acc ? " accumulate" : "", isfp8 ? impl_name() : "");
     fm_status sc = fm_grouped_gemm_wgrad(cpu, &cfg, &sp, &Y.h, &X.h, &D.h);
     fm_status sg = fm_grouped_gemm_wgrad(gpu, &cfg, &sp, &Y.d, &X.d, &D.d);
-    if (!refused_by_cublaslt(sc, sg, gpu, aligned128(N, K, 0, E, splits)))
+    if (isfp8 && native_refused(sg, gpu, takes, what))
+        sc = sg = FM_ERR_UNSUPPORTED; /* checked there: nothing to compare */
+    else if (!refused_by_cublaslt(sc, sg, gpu, aligned128(N, K, 0, E, splits)))
     GT_CHECK(sc == FM_OK && sg == FM_OK, "%s: cpu %s, cuda %s: %s", what, fm_status_name(sc), fm_status_name(sg),
              fm_last_error(gpu));
     if (sc == FM_OK && sg == FM_OK) {
         GT_CUDA(cudaDeviceSynchronize());
         compare(&D, what);
+        if (impl == FM_GEMM_IMPL_NATIVE && !acc) { /* run to run: the same bits */
+            uint8_t *first = malloc(D.nd + 1), *again = malloc(D.nd + 1);
+            GT_CUDA(cudaMemcpy(first, D.d.data, D.nd, cudaMemcpyDeviceToHost));
+            GT_CUDA(cudaMemset(D.d.data, 0xFF, D.nd));
+            sg = fm_grouped_gemm_wgrad(gpu, &cfg, &sp, &Y.d, &X.d, &D.d);
+            GT_CUDA(cudaMemcpy(again, D.d.data, D.nd, cudaMemcpyDeviceToHost));
+            GT_CHECK(sg == FM_OK && memcmp(first, again, D.nd) == 0, "%s: a second run gave other bits (%s)", what,
+                     fm_status_name(sg));
+            free(first);
+            free(again);
+        }
     }
     drop(&Y);
     drop(&X);
     drop(&D);
+}
+
+/* The native k-grouped kernel's own shape classes: experts of 0, 16, 112,
+ * 128, 144 and 1040 rows, N and K off every tile shape, a single row of
+ * dW, more experts than one launch takes (64), and enough K blocks to wrap
+ * the stage ring many times. */
+static void native_kgrouped(fm_context *cpu, fm_context *gpu)
+{
+    static const int64_t classes[] = {0, 16, 112, 128, 144, 1040, 0, 256};
+    static const int64_t big[] = {4096, 0, 2064};
+    static int64_t many[70];
+    for (int e = 0; e < 70; e++)
+        many[e] = (int64_t)(rnd() % 6) * 16 * (e % 4 != 0);
+    impl = FM_GEMM_IMPL_NATIVE;
+    for (int kind = 2; kind <= 3; kind++) {
+        kgrouped(cpu, gpu, kind, 8, classes, 200, 328, FM_DTYPE_F32, 1);
+        kgrouped(cpu, gpu, kind, 8, classes, 200, 328, FM_DTYPE_F32, 0);
+        kgrouped(cpu, gpu, kind, 8, classes, 200, 328, FM_DTYPE_BF16, 0);
+    }
+    kgrouped(cpu, gpu, 2, 8, classes, 1, 64, FM_DTYPE_F32, 1);
+    kgrouped(cpu, gpu, 2, 8, classes, 5, 8, FM_DTYPE_BF16, 0);
+    kgrouped(cpu, gpu, 2, 70, many, 96, 136, FM_DTYPE_F32, 1);
+    kgrouped(cpu, gpu, 2, 70, many, 96, 136, FM_DTYPE_BF16, 0);
+    kgrouped(cpu, gpu, 2, 3, big, 520, 776, FM_DTYPE_F32, 1);
+    kgrouped(cpu, gpu, 2, 8, classes, 200, 330, FM_DTYPE_F32, 1); /* refused: dW's rows of 1320 bytes */
+    kgrouped(cpu, gpu, 1, 8, classes, 200, 328, FM_DTYPE_F32, 1); /* refused: x 1x128 */
+    static const int64_t odd[] = {16, 40, 0, 8};
+    kgrouped(cpu, gpu, 2, 4, odd, 64, 128, FM_DTYPE_F32, 1); /* refused: M_i 40 */
+    impl = FM_GEMM_IMPL_AUTO;
 }
 
 int main(void)
@@ -523,11 +575,18 @@ int main(void)
     skinny(cpu, gpu, 9, 1, 1, FM_LAYOUT_ROWWISE, FM_LAYOUT_COLWISE, 1, 0);
     GT_CHECK(native_runs > 0 && native_refusals > 0, "native kernel: %d runs, %d refusals (both expected)",
              native_runs, native_refusals);
-    for (int f = 0; f < 3; f++) {
-        kgrouped(cpu, gpu, f, 8, kp1, 64, 96, FM_DTYPE_F32, 1);
-        kgrouped(cpu, gpu, f, 4, kp2, 33, 130, FM_DTYPE_BF16, 0);
-        kgrouped(cpu, gpu, f, 4, sp128, 128, 256, FM_DTYPE_F32, 1);
+    for (int i = 0; i < 3; i++) {
+        impl = impls[i];
+        for (int f = 0; f < 4; f++) {
+            if (impl != FM_GEMM_IMPL_AUTO && f == 0)
+                continue;
+            kgrouped(cpu, gpu, f, 8, kp1, 64, 96, FM_DTYPE_F32, 1);
+            kgrouped(cpu, gpu, f, 4, kp2, 33, 130, FM_DTYPE_BF16, 0);
+            kgrouped(cpu, gpu, f, 4, sp128, 128, 256, FM_DTYPE_F32, 1);
+        }
     }
+    impl = FM_GEMM_IMPL_AUTO;
+    native_kgrouped(cpu, gpu);
 
     /* cuBLASLt has no BLK128x128 x BLK128x128. */
     fm_tensor ta = operand(FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128, FM_SCALE_LAYOUT_GEMM, FM_LAYOUT_ROWWISE, 2, 1, 128, 128);
