@@ -1409,7 +1409,7 @@ static int gm_aligned(int64_t M, int64_t N, int64_t K, int64_t E, const int64_t 
 
 /* One case of `form`: 0 pass, 1 fail, 2 skip (both refused alike). */
 static int gm_case(xv_env *x, int form, int pi, int64_t M, int64_t N, int64_t K, int64_t E, const int64_t *splits,
-                   fm_dtype out, int acc, const char *name0)
+                   fm_dtype out, int acc, fm_gemm_impl impl, const char *name0)
 {
     fm_scale_layout sl = rnd(x) & 1 ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT;
     int fp8 = gm_pairs[pi].ma != FM_SCALE_NONE, wide = fp8 && (rnd(x) & 1);
@@ -1448,7 +1448,7 @@ static int gm_case(xv_env *x, int form, int pi, int64_t M, int64_t N, int64_t K,
     dh.data = D.h;
     dd.data = D.d;
     dd.device = FM_DEVICE_CUDA;
-    fm_gemm_config cfg = {.accumulate = acc};
+    fm_gemm_config cfg = {.accumulate = acc, .impl = impl};
     fm_splits sp = {.groups = E, .host = splits};
     fm_status stc, stg;
     if (form == GM_DENSE) {
@@ -1498,7 +1498,7 @@ static void xv_gemm(xv_env *x, xv_counts *cnt)
                          (long long)gm_shapes[s][0], (long long)gm_shapes[s][1], (long long)gm_shapes[s][2],
                          fm_dtype_name(out), o == 2 ? " accumulate" : "");
                 tally(x, cnt, gm_case(x, GM_DENSE, pi, gm_shapes[s][0], gm_shapes[s][1], gm_shapes[s][2], 0, NULL,
-                                      out, o == 2, name), name);
+                                      out, o == 2, FM_GEMM_IMPL_AUTO, name), name);
             }
 }
 
@@ -1528,25 +1528,33 @@ static void xv_grouped_gemm(xv_env *x, xv_counts *cnt)
                      fm_dtype_name(gm_pairs[pi].a), fm_scale_mode_name(gm_pairs[pi].ma), fm_dtype_name(gm_pairs[pi].b),
                      fm_scale_mode_name(gm_pairs[pi].mb), (long long)E, (long long)S, (long long)N, (long long)K,
                      fm_dtype_name(out));
-            tally(x, cnt, gm_case(x, GM_MGROUPED, pi, S, N, K, E, s, out, 0, name), name);
+            tally(x, cnt, gm_case(x, GM_MGROUPED, pi, S, N, K, E, s, out, 0, FM_GEMM_IMPL_AUTO, name), name);
         }
 }
 
+/* The four operand kinds through AUTO, and the native k-grouped kernel
+ * (cfg->impl NATIVE) on the one it takes, with dW's rows whole 16-byte
+ * pieces as it needs them (every M_i is a multiple of 16 here). */
 static void xv_grouped_gemm_wgrad(xv_env *x, xv_counts *cnt)
 {
-    static const int pis[] = {3, 4, 5, 6}; /* dy 1x128 x x 128x128, 1x128 x 1x128, BF16, F32 */
+    static const int pis[] = {3, 4, 5, 6, 3}; /* dy 1x128 x x 128x128, 1x128 x 1x128, BF16, F32; native */
     int reps = x->quick ? 1 : 3;
-    for (int k = 0; k < 4; k++)
+    for (int k = 0; k < 5; k++)
         for (int rep = 0; rep < reps; rep++) {
-            int pi = pis[k], fp8 = gm_pairs[pi].ma != FM_SCALE_NONE;
+            int pi = pis[k], fp8 = gm_pairs[pi].ma != FM_SCALE_NONE, native = k == 4;
             int64_t s[8], E = rndi(x, 1, 8), S = gm_splits(x, s, E, fp8), N = rndi(x, 1, 300), M = rndi(x, 1, 200);
+            if (native)
+                N = 8 * rndi(x, 1, 40);
             fm_dtype out = rep % 2 ? FM_DTYPE_BF16 : FM_DTYPE_F32;
             char name[200];
-            snprintf(name, sizeof name, "grouped_gemm_wgrad %s(%s) x %s(%s) E %lld sum M %lld -> [%lld, %lld] %s",
+            snprintf(name, sizeof name, "grouped_gemm_wgrad %s(%s) x %s(%s) E %lld sum M %lld -> [%lld, %lld] %s%s",
                      fm_dtype_name(gm_pairs[pi].a), fm_scale_mode_name(gm_pairs[pi].ma), fm_dtype_name(gm_pairs[pi].b),
                      fm_scale_mode_name(gm_pairs[pi].mb), (long long)E, (long long)S, (long long)M, (long long)N,
-                     fm_dtype_name(out));
-            tally(x, cnt, gm_case(x, GM_KGROUPED, pi, M, N, S, E, s, out, out == FM_DTYPE_F32, name), name);
+                     fm_dtype_name(out), native ? " [native]" : "");
+            tally(x, cnt,
+                  gm_case(x, GM_KGROUPED, pi, M, N, S, E, s, out, out == FM_DTYPE_F32,
+                          native ? FM_GEMM_IMPL_NATIVE : FM_GEMM_IMPL_AUTO, name),
+                  name);
         }
 }
 

@@ -906,16 +906,25 @@ static cudaError_t gm_launch_ab(int f32, int blk, int cl, int shape, const CUten
                   : gm_launch_shape<TA, TB, 1>(f32, blk, shape, maps, p, grid, smem, s);
 }
 
+/* The index of environment variable `name`'s value in vals[0..n), or -1
+ * (unset, or none of them). */
+static int gm_knob(const char *name, const char *const *vals, int n)
+{
+    const char *v = getenv(name);
+    for (int i = 0; v && i < n; i++)
+        if (!strcmp(v, vals[i]))
+            return i;
+    return -1;
+}
+
 /* FLOWMOE_SM90_TILE=192x128, 128x128 or 128x192 forces a tile shape (a
  * tuning and test knob, read once; anything else: chosen per call). */
 static int gm_tile_knob(void)
 {
+    static const char *const shapes[] = {"192x128", "128x128", "128x192"}; /* GM_192x128, ... in order */
     static int knob = -2;
-    if (knob == -2) {
-        const char *v = getenv("FLOWMOE_SM90_TILE");
-        knob = !v ? -1 : !strcmp(v, "192x128") ? GM_192x128 : !strcmp(v, "128x128") ? GM_128x128
-                       : !strcmp(v, "128x192") ? GM_128x192 : -1;
-    }
+    if (knob == -2)
+        knob = gm_knob("FLOWMOE_SM90_TILE", shapes, 3);
     return knob;
 }
 
@@ -953,11 +962,10 @@ static int gm_pick_shape(const fm_splits *splits, int64_t S, int64_t N, const do
  * notes/grouped_gemm_sm90.md has what it measured. */
 static int gm_cluster_size(void)
 {
+    static const char *const two[] = {"2"};
     static int cl;
-    if (!cl) {
-        const char *v = getenv("FLOWMOE_SM90_CLUSTER");
-        cl = v && v[0] == '2' && !v[1] ? 2 : 1;
-    }
+    if (!cl)
+        cl = gm_knob("FLOWMOE_SM90_CLUSTER", two, 1) == 0 ? 2 : 1;
     return cl;
 }
 

@@ -2064,9 +2064,11 @@ static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_
      * one 17 us slower into GEMM-layout scales than into compact ones). */
     int64_t ntr = fm_cdiv(R, RQT), ntiles_rows = E * ntr, nscales_out = E * p.sout;
     int64_t npad = E * fm_scale_padding_2d(out->scale_mode, out->scale_layout, p.Ro, p.Co);
+    int ragged = 0; /* a group that is not a multiple of 128 rows */
     if (sp) { /* the same totals as the table's sentinel, from the host sizes */
         ntiles_rows = nscales_out = npad = 0;
         for (int64_t g = 0; g < sp->groups; g++) {
+            ragged |= sp->host[g] % RQT != 0;
             ntiles_rows += fm_cdiv(sp->host[g], RQT);
             nscales_out += fm_scale_count_2d(out->scale_mode, out->scale_layout, C, sp->host[g]);
             npad += fm_scale_padding_2d(out->scale_mode, out->scale_layout, C, sp->host[g]);
@@ -2093,9 +2095,6 @@ static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_
          * 37.3% of copy (254.6 -> 242.8 us, the flow recipes' dy and x), ragged
          * groups 39.6% -> 47.6%, but 128-row groups 64.0% -> 63.0% and the layer's
          * GEMM-layout call 65.1% -> 63.7%. */
-        int ragged = 0;
-        for (int64_t g = 0; g < sp->groups; g++)
-            ragged |= sp->host[g] % RQT != 0;
         p.rows_first = row_map != NULL || ragged;
     }
     const uintptr_t ia = (uintptr_t)in->data, oa = (uintptr_t)out->data;
