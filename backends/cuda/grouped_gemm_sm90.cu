@@ -496,6 +496,61 @@ __device__ static __forceinline__ void gm_next(int *s, int *ph)
     }
 }
 
+/* The shared memory of both kernels: the 1024-aligned stages, their scale
+ * slots, the full and empty barriers, the epilogue staging (the m-grouped
+ * kernel's tile tables follow it). */
+template <int CWG, int BN>
+__device__ static __forceinline__ void gm_carve(unsigned char *raw, unsigned char **sm, float **s_sa, float **s_sb,
+                                                uint64_t **full, uint64_t **empty, unsigned char **epi)
+{
+    *sm = (unsigned char *)(((uintptr_t)raw + 1023) & ~(uintptr_t)1023);
+    *s_sa = (float *)(*sm + GM_STAGES * GM_STAGE_BYTES);
+    *s_sb = (float *)((unsigned char *)*s_sa + GM_STAGES * GM_SA_BYTES);
+    *full = (uint64_t *)((unsigned char *)*s_sb + GM_STAGES * GM_SB_BYTES);
+    *empty = *full + GM_STAGES;
+    *epi = (unsigned char *)(((uintptr_t)(*empty + GM_STAGES) + 127) & ~(uintptr_t)127);
+}
+
+/* One thread: the ring's barriers, `arrivals` consumer warps to hand a stage back. */
+template <int CWG, int BN>
+__device__ static __forceinline__ void gm_bars_init(uint64_t *full, uint64_t *empty, int arrivals)
+{
+    for (int s = 0; s < GM_STAGES; s++) {
+        gm_bar_init(&full[s], 1);
+        gm_bar_init(&empty[s], arrivals);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+/* Registers per thread: the producer warpgroup gives back what the
+ * consumers take, within the SM's 64K (warpgroup-wide, so every warp of it). */
+template <int CWG, int PRODUCER>
+__device__ static __forceinline__ void gm_regs(void)
+{
+    if (PRODUCER && CWG == 2)
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    else if (PRODUCER)
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n" ::: "memory");
+    else if (CWG == 2)
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    else
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n" ::: "memory");
+}
+
+/* A consumer's K block kb: issue, wait for its wgmmas, hand the stage back,
+ * promote, and step the ring position (s, ph). */
+template <int TA, int TB, int BLK, int CL, int CWG, int BN>
+__device__ static __forceinline__ void gm_kblock(float *acc, float *part, uint32_t sm, uint64_t *full, uint64_t *empty,
+                                                 uint32_t s_sa, uint32_t s_sb, int *s, int *ph, int kb, int wg,
+                                                 int sa_row, int odd, float ts, int lane)
+{
+    float s0[3], s1[3];
+    gm_issue<TA, TB, BLK, CWG, BN>(part, sm, full, s_sa, s_sb, *s, *ph, kb, wg, sa_row, odd, ts, s0, s1);
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    gm_retire<CL, BN>(acc, part, empty, *s, lane, s0, s1);
+    gm_next<GM_STAGES>(s, ph);
+}
+
 #endif /* GM_SM90A */
 
 /* CL: CTAs per cluster (launched with the cluster attribute when > 1);
@@ -509,12 +564,10 @@ __global__ void __launch_bounds__(GM_THREADS, 1)
     __trap(); /* the plain sm_90 pass: wgmma and setmaxnreg exist only in sm_90a, which a 9.0 GPU loads */
 #else
     extern __shared__ unsigned char gm_smem_raw[];
-    unsigned char *sm = (unsigned char *)(((uintptr_t)gm_smem_raw + 1023) & ~(uintptr_t)1023);
-    float *s_sa = (float *)(sm + GM_STAGES * GM_STAGE_BYTES);
-    float *s_sb = (float *)((unsigned char *)s_sa + GM_STAGES * GM_SA_BYTES);
-    uint64_t *full = (uint64_t *)((unsigned char *)s_sb + GM_STAGES * GM_SB_BYTES);
-    uint64_t *empty = full + GM_STAGES;
-    unsigned char *epi = (unsigned char *)(((uintptr_t)(empty + GM_STAGES) + 127) & ~(uintptr_t)127);
+    unsigned char *sm, *epi;
+    float *s_sa, *s_sb;
+    uint64_t *full, *empty;
+    gm_carve<CWG, BN>(gm_smem_raw, &sm, &s_sa, &s_sb, &full, &empty, &epi);
     int *tile_pfx = (int *)(epi + GM_EPI_BYTES);
     int *row_pfx = tile_pfx + p.groups + 1;
     /* The warp index and the tile count from lane 0: the compiler then knows
@@ -559,11 +612,7 @@ __global__ void __launch_bounds__(GM_THREADS, 1)
         if (lane == 0)
             tile_pfx[0] = row_pfx[0] = 0;
     } else if (warp == 1 && lane == 0) {
-        for (int s = 0; s < GM_STAGES; s++) {
-            gm_bar_init(&full[s], 1);
-            gm_bar_init(&empty[s], 4 * CWG * CL); /* one arrival per consumer warp of the cluster */
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        gm_bars_init<CWG, BN>(full, empty, 4 * CWG * CL); /* one arrival per consumer warp of the cluster */
     }
     __syncthreads();
     if (CL > 1)
@@ -571,11 +620,7 @@ __global__ void __launch_bounds__(GM_THREADS, 1)
     const int total = __shfl_sync(0xffffffffu, tile_pfx[G], 0);
 
     if (warp >= 4 * CWG) {
-        /* registers per thread: the producer gives back what the consumers take, within the SM's 64K */
-        if (CWG == 2)
-            asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-        else
-            asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n" ::: "memory");
+        gm_regs<CWG, 1>();
         if (warp == 4 * CWG && lane == 0) {
             int s = 0, ph = 0;
             for (int t = cid; t < total; t += ncl) {
@@ -618,10 +663,7 @@ __global__ void __launch_bounds__(GM_THREADS, 1)
             }
         }
     } else {
-        if (CWG == 2)
-            asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-        else
-            asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n" ::: "memory");
+        gm_regs<CWG, 0>();
         const int wg = warp >> 2, wr = (warp & 3) * 16 + (lane >> 2);
         const uint32_t sm_u = gm_sa(sm), sa_u = gm_sa(s_sa), sb_u = gm_sa(s_sb);
         /* One partial accumulator: kept in flight with a second one (block
@@ -643,13 +685,9 @@ __global__ void __launch_bounds__(GM_THREADS, 1)
 #pragma unroll
             for (int i = 0; i < BN / 2; i++)
                 acc[i] = 0.0f;
-            for (int kb = 0; kb < nkb; kb++) {
-                float s0[3], s1[3];
-                gm_issue<TA, TB, BLK, CWG, BN>(part, sm_u, full, sa_u, sb_u, s, ph, kb, wg, sa_row, nb & 1, ts, s0, s1);
-                asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-                gm_retire<CL, BN>(acc, part, empty, s, lane, s0, s1);
-                gm_next<GM_STAGES>(&s, &ph);
-            }
+            for (int kb = 0; kb < nkb; kb++)
+                gm_kblock<TA, TB, BLK, CL, CWG, BN>(acc, part, sm_u, full, empty, sa_u, sb_u, &s, &ph, kb, wg, sa_row,
+                                                    nb & 1, ts, lane);
             const uint32_t buf = gm_sa(epi) + warp * 1024;
             const int wr0 = mb * GM_BM + wg * 64 + (warp & 3) * 16; /* the warp's first expert row */
             if (DF32)
@@ -696,30 +734,20 @@ __global__ void __launch_bounds__(GM_THREADS, 1) gk_kernel(const __grid_constant
     __trap();
 #else
     extern __shared__ unsigned char gm_smem_raw[];
-    unsigned char *sm = (unsigned char *)(((uintptr_t)gm_smem_raw + 1023) & ~(uintptr_t)1023);
-    float *s_sa = (float *)(sm + GM_STAGES * GM_STAGE_BYTES);
-    float *s_sb = (float *)((unsigned char *)s_sa + GM_STAGES * GM_SA_BYTES);
-    uint64_t *full = (uint64_t *)((unsigned char *)s_sb + GM_STAGES * GM_SB_BYTES);
-    uint64_t *empty = full + GM_STAGES;
-    unsigned char *epi = (unsigned char *)(((uintptr_t)(empty + GM_STAGES) + 127) & ~(uintptr_t)127);
+    unsigned char *sm, *epi;
+    float *s_sa, *s_sb;
+    uint64_t *full, *empty;
+    gm_carve<CWG, BN>(gm_smem_raw, &sm, &s_sa, &s_sb, &full, &empty, &epi);
     const int warp = __shfl_sync(0xffffffffu, threadIdx.x >> 5, 0), lane = threadIdx.x & 31;
     const int mt = (p.dr + GM_BM - 1) / GM_BM, nt = (p.n + GM_BN - 1) / GM_BN, per = mt * nt;
     const int total = p.groups * per, nblk = (p.n + 127) / 128;
 
-    if (warp == 1 && lane == 0) {
-        for (int s = 0; s < GM_STAGES; s++) {
-            gm_bar_init(&full[s], 1);
-            gm_bar_init(&empty[s], 4 * CWG); /* one arrival per consumer warp */
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
+    if (warp == 1 && lane == 0)
+        gm_bars_init<CWG, BN>(full, empty, 4 * CWG); /* one arrival per consumer warp */
     __syncthreads();
 
     if (warp >= 4 * CWG) {
-        if (CWG == 2)
-            asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-        else
-            asm volatile("setmaxnreg.dec.sync.aligned.u32 32;\n" ::: "memory");
+        gm_regs<CWG, 1>();
         if (warp == 4 * CWG && lane == 0) {
             int s = 0, ph = 0;
             for (int t = blockIdx.x; t < total; t += gridDim.x) {
@@ -748,10 +776,7 @@ __global__ void __launch_bounds__(GM_THREADS, 1) gk_kernel(const __grid_constant
             }
         }
     } else {
-        if (CWG == 2)
-            asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-        else
-            asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n" ::: "memory");
+        gm_regs<CWG, 0>();
         const int wg = warp >> 2, wr = (warp & 3) * 16 + (lane >> 2);
         const uint32_t sm_u = gm_sa(sm), sa_u = gm_sa(s_sa), sb_u = gm_sa(s_sb), buf = gm_sa(epi) + warp * 1024;
         float acc[BN / 2], part[BN / 2];
@@ -767,14 +792,9 @@ __global__ void __launch_bounds__(GM_THREADS, 1) gk_kernel(const __grid_constant
 #pragma unroll
             for (int i = 0; i < BN / 2; i++)
                 acc[i] = 0.0f;
-            for (int kb = 0; kb < nkb; kb++) {
-                float s0[3], s1[3];
-                gm_issue<TA, TB, 1, CWG, BN>(part, sm_u, full, sa_u, sb_u, s, ph, kb, wg, wg * 64 + wr, nb & 1, 1.0f,
-                                             s0, s1);
-                asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-                gm_retire<1, BN>(acc, part, empty, s, lane, s0, s1);
-                gm_next<GM_STAGES>(&s, &ph);
-            }
+            for (int kb = 0; kb < nkb; kb++)
+                gm_kblock<TA, TB, 1, 1, CWG, BN>(acc, part, sm_u, full, empty, sa_u, sb_u, &s, &ph, kb, wg, wg * 64 + wr,
+                                                 nb & 1, 1.0f, lane);
             const int r0 = mb * GM_BM + wg * 64 + (warp & 3) * 16; /* the warp's first row of dW_e */
             if (DF32)
                 gm_store_f32<BN>(&p, acc, buf, lane, r0, p.e[g] * p.dr, p.dr, nb * GM_BN);
@@ -809,22 +829,34 @@ static PFN_cuTensorMapEncodeTiled_v12000 gm_encoder(void)
 
 static int gm_fp8(fm_dtype t) { return t == FM_DTYPE_E4M3 || t == FM_DTYPE_E5M2; }
 
-/* Why the native kernel cannot run this product (NULL: it can). */
-extern "C" const char *fm_cuda_gemm_sm90_why_not(fm_context *ctx, const fm_splits *splits, const fm_tensor *a,
-                                                 const fm_tensor *b, const fm_tensor *d)
+/* What both kernels need (NULL: met): a 9.0 GPU, FP8 operands, BF16 or F32
+ * out, and the driver's tensor-map encoder. */
+static const char *gm_why_not_common(fm_context *ctx, fm_dtype ta, fm_dtype tb, fm_dtype td)
 {
     const cudaDeviceProp *pr = &fm_cuda(ctx)->prop;
     if (pr->major != 9 || pr->minor != 0)
         return "runs on compute capability 9.0 (H100/H200) only";
-    if (!gm_fp8(a->dtype) || !gm_fp8(b->dtype))
+    if (!gm_fp8(ta) || !gm_fp8(tb))
         return "takes FP8 (E4M3/E5M2) operands only";
+    if (td != FM_DTYPE_BF16 && td != FM_DTYPE_F32)
+        return "writes BF16 or F32 only";
+    if (!gm_encoder())
+        return "needs the driver's cuTensorMapEncodeTiled, which this driver does not give";
+    return NULL;
+}
+
+/* Why the native kernel cannot run this product (NULL: it can). */
+extern "C" const char *fm_cuda_gemm_sm90_why_not(fm_context *ctx, const fm_splits *splits, const fm_tensor *a,
+                                                 const fm_tensor *b, const fm_tensor *d)
+{
+    const char *why = gm_why_not_common(ctx, a->dtype, b->dtype, d->dtype);
+    if (why)
+        return why;
     if (a->layout != FM_LAYOUT_ROWWISE || b->layout != FM_LAYOUT_ROWWISE)
         return "takes both operands with K contiguous";
     if (!(a->scale_mode == FM_SCALE_TENSOR && b->scale_mode == FM_SCALE_TENSOR) &&
         !(a->scale_mode == FM_SCALE_BLOCK_1x128 && b->scale_mode == FM_SCALE_BLOCK_128x128))
         return "takes the scale pairs TENSOR x TENSOR and BLOCK_1x128 x BLOCK_128x128 only";
-    if (d->dtype != FM_DTYPE_BF16 && d->dtype != FM_DTYPE_F32)
-        return "writes BF16 or F32 only";
     int64_t S = a->shape[0], K = a->shape[1];
     int64_t E = splits ? splits->groups : 1, N = b->shape[b->ndim - 2];
     if (K % 16 || ((uintptr_t)a->data | (uintptr_t)b->data) % 16)
@@ -835,8 +867,6 @@ extern "C" const char *fm_cuda_gemm_sm90_why_not(fm_context *ctx, const fm_split
         return "takes at most 1024 experts";
     if (S >= INT_MAX || K >= INT_MAX || E * N >= INT_MAX || (S / 128 + E) * fm_cdiv(N, 128) >= INT_MAX)
         return "takes fewer than 2^31 rows, columns and tiles";
-    if (!gm_encoder())
-        return "needs the driver's cuTensorMapEncodeTiled, which this driver does not give";
     return NULL;
 }
 
@@ -1090,15 +1120,11 @@ extern "C" fm_status fm_cuda_gemm_sm90(fm_context *ctx, const fm_gemm_config *cf
 extern "C" const char *fm_cuda_gemm_wgrad_sm90_why_not(fm_context *ctx, const fm_splits *splits,
                                                        const fm_tensor *dy, const fm_tensor *x, const fm_tensor *dw)
 {
-    const cudaDeviceProp *pr = &fm_cuda(ctx)->prop;
-    if (pr->major != 9 || pr->minor != 0)
-        return "runs on compute capability 9.0 (H100/H200) only";
-    if (!gm_fp8(dy->dtype) || !gm_fp8(x->dtype))
-        return "takes FP8 (E4M3/E5M2) operands only";
+    const char *why = gm_why_not_common(ctx, dy->dtype, x->dtype, dw->dtype);
+    if (why)
+        return why;
     if (dy->scale_mode != FM_SCALE_BLOCK_1x128 || x->scale_mode != FM_SCALE_BLOCK_128x128)
         return "takes the k-grouped scale pair dy BLOCK_1x128 x x BLOCK_128x128 only (x from the ROWMAX transpose)";
-    if (dw->dtype != FM_DTYPE_BF16 && dw->dtype != FM_DTYPE_F32)
-        return "writes BF16 or F32 only";
     int64_t E = dw->shape[0], N = dw->shape[1], K = dw->shape[2];
     for (int64_t e = 0; e < E; e++)
         if (splits->host[e] % 16)
@@ -1112,8 +1138,6 @@ extern "C" const char *fm_cuda_gemm_wgrad_sm90_why_not(fm_context *ctx, const fm
         return "needs 16-byte aligned operands and scales (TMA)";
     if (N >= INT_MAX / 2 || K >= INT_MAX / 2 || E * N >= INT_MAX || fm_cdiv(N, 64) * fm_cdiv(K, 128) * GK_MAX >= INT_MAX)
         return "takes fewer than 2^30 rows and columns and 2^31 tiles a launch";
-    if (!gm_encoder())
-        return "needs the driver's cuTensorMapEncodeTiled, which this driver does not give";
     return NULL;
 }
 
