@@ -64,7 +64,7 @@
 #define GM_THREADS (128 * (CWG + 1))
 #define GM_MAX_GROUPS 1024 /* device splits: the per-CTA tile table is in shared memory */
 #define GM_HOST_SPLITS 64  /* host-only splits travel in the kernel parameters */
-#define GM_GROUP_M 8       /* tiles of 8 consecutive m-blocks run together: A and B stay in L2 */
+#define GM_GROUP_M 8       /* tiles of 8 consecutive m blocks run together (gm_params.group_m may say 4) */
 
 typedef struct {
     /* Block scales (BLK): A's GEMM-layout scales travel by TMA (map_sa), B's
@@ -77,6 +77,7 @@ typedef struct {
     const int64_t *splits; /* device split sizes, or NULL: host_splits */
     int host_splits[GM_HOST_SPLITS];
     int groups, rows, n, k;
+    int group_m; /* m blocks that sweep the n blocks together (gm_swizzle) */
     int accumulate;
     int vec; /* 16 bytes of a row of D from a multiple of 16 bytes are 16-byte aligned (D and N allow it) */
 } gm_params;
@@ -254,22 +255,23 @@ __device__ static __forceinline__ void gm_mma(float *d, uint64_t da, uint64_t db
         GM_MMA_TYPED(GM_WGMMA_N192, d, da, db, acc);
 }
 
-/* Tile L of one expert's mt x nt grid -> (m block, n block): GM_GROUP_M m
- * blocks sweep the n blocks together. */
-__device__ static __forceinline__ void gm_swizzle(int L, int mt, int nt, int *mb, int *nb)
+/* Tile L of one expert's mt x nt grid -> (m block, n block): `group` m
+ * blocks sweep the n blocks together, so that their A tiles and the B tiles
+ * they share stay in L2. */
+__device__ static __forceinline__ void gm_swizzle(int L, int mt, int nt, int group, int *mb, int *nb)
 {
-    int g = L / (GM_GROUP_M * nt), first = g * GM_GROUP_M;
-    int gm = mt - first < GM_GROUP_M ? mt - first : GM_GROUP_M;
-    int r = L - g * GM_GROUP_M * nt;
+    int g = L / (group * nt), first = g * group;
+    int gm = mt - first < group ? mt - first : group;
+    int r = L - g * group * nt;
     *mb = first + r % gm;
     *nb = r / gm;
 }
 
 /* Tile t of all experts -> (expert, m block, n block). Empty experts share
  * their start with the next expert; the last start <= t is the one that owns
- * tiles. Inside an expert, GM_GROUP_M m blocks sweep the n blocks together. */
-__device__ static __forceinline__ void gm_tile(const int *tile_pfx, const int *row_pfx, int G, int nt, int bm, int t,
-                                               int *e, int *mb, int *nb)
+ * tiles. Inside an expert, `group` m blocks sweep the n blocks together. */
+__device__ static __forceinline__ void gm_tile(const int *tile_pfx, const int *row_pfx, int G, int nt, int bm, int group,
+                                               int t, int *e, int *mb, int *nb)
 {
     int lo = 0, hi = G - 1;
     while (lo < hi) {
@@ -280,7 +282,7 @@ __device__ static __forceinline__ void gm_tile(const int *tile_pfx, const int *r
             hi = mid - 1;
     }
     *e = lo;
-    gm_swizzle(t - tile_pfx[lo], (row_pfx[lo + 1] - row_pfx[lo] + bm - 1) / bm, nt, mb, nb);
+    gm_swizzle(t - tile_pfx[lo], (row_pfx[lo + 1] - row_pfx[lo] + bm - 1) / bm, nt, group, mb, nb);
 }
 
 /* Consumer side of one K block: wait for its stage, read its scales (into
@@ -625,7 +627,7 @@ __global__ void __launch_bounds__(GM_THREADS, 1)
             int s = 0, ph = 0;
             for (int t = cid; t < total; t += ncl) {
                 int e, mb, nb;
-                gm_tile(tile_pfx, row_pfx, G, nt, GM_BM, t, &e, &mb, &nb);
+                gm_tile(tile_pfx, row_pfx, G, nt, GM_BM, p.group_m, t, &e, &mb, &nb);
                 nb = nb * CL + rank;
                 int arow = row_pfx[e] + mb * GM_BM, brow = e * p.n + nb * GM_BN;
                 for (int kb = 0; kb < nkb; kb++) {
@@ -676,7 +678,7 @@ __global__ void __launch_bounds__(GM_THREADS, 1)
         int s = 0, ph = 0;
         for (int t = cid; t < total; t += ncl) {
             int e, mb, nb;
-            gm_tile(tile_pfx, row_pfx, G, nt, GM_BM, t, &e, &mb, &nb);
+            gm_tile(tile_pfx, row_pfx, G, nt, GM_BM, p.group_m, t, &e, &mb, &nb);
             nb = nb * CL + rank;
             const int m_e = row_pfx[e + 1] - row_pfx[e];
             const int sa_row = ((row_pfx[e] + mb * GM_BM) & 3) + wg * 64 + wr; /* in the stage's A scale slot */
@@ -753,7 +755,7 @@ __global__ void __launch_bounds__(GM_THREADS, 1) gk_kernel(const __grid_constant
             for (int t = blockIdx.x; t < total; t += gridDim.x) {
                 const int g = t / per;
                 int mb, nb;
-                gm_swizzle(t - g * per, mt, nt, &mb, &nb);
+                gm_swizzle(t - g * per, mt, nt, GM_GROUP_M, &mb, &nb);
                 const int nkb = (p.m[g] + GM_BK - 1) / GM_BK, sb_ns = (nkb + 3) & ~3, r0 = mb * GM_BM;
                 /* the tile's A scales, up to the padded row count */
                 const uint32_t sab = (uint32_t)(p.sa_ld - r0 < GM_BM ? p.sa_ld - r0 : GM_BM) * 4;
@@ -787,14 +789,14 @@ __global__ void __launch_bounds__(GM_THREADS, 1) gk_kernel(const __grid_constant
         for (int t = blockIdx.x; t < total; t += gridDim.x) {
             const int g = t / per;
             int mb, nb;
-            gm_swizzle(t - g * per, mt, nt, &mb, &nb);
+            gm_swizzle(t - g * per, mt, nt, GM_GROUP_M, &mb, &nb);
             const int nkb = (p.m[g] + GM_BK - 1) / GM_BK;
 #pragma unroll
             for (int i = 0; i < BN / 2; i++)
                 acc[i] = 0.0f;
             for (int kb = 0; kb < nkb; kb++)
-                gm_kblock<TA, TB, 1, 1, CWG, BN>(acc, part, sm_u, full, empty, sa_u, sb_u, &s, &ph, kb, wg, wg * 64 + wr,
-                                                 nb & 1, 1.0f, lane);
+                gm_kblock<TA, TB, 1, 1, CWG, BN>(acc, part, sm_u, full, empty, sa_u, sb_u, &s, &ph, kb, wg,
+                                                 wg * 64 + wr, nb & 1, 1.0f, lane);
             const int r0 = mb * GM_BM + wg * 64 + (warp & 3) * 16; /* the warp's first row of dW_e */
             if (DF32)
                 gm_store_f32<BN>(&p, acc, buf, lane, r0, p.e[g] * p.dr, p.dr, nb * GM_BN);
@@ -1071,6 +1073,15 @@ extern "C" fm_status fm_cuda_gemm_sm90(fm_context *ctx, const fm_gemm_config *cf
     p.n = (int)N;
     p.k = (int)K;
     p.accumulate = cfg->accumulate;
+    /* Experts of 2048 rows and more: groups of 4 m blocks. S19-13 (H100, one
+     * binary each, twice): E 8 of 4096 rows 1213 / 1221 -> 1251 / 1259
+     * TFLOP/s, the layer's data gradient through W1 1194 -> 1210 / 1245, its
+     * W2 forward level, its data gradient through W2 1221 / 1237 -> 1213 /
+     * 1222; but dense 8192^3 1366 / 1359 -> 1349 / 1347 and E 32 of 1024 rows
+     * 1231 / 1223 -> 1217 / 1210, which keep 8 (16: dense 1281 / 1266).
+     * S19-14 (another H100, against the binary before): E 8 1170 / 1174 ->
+     * 1201 / 1203, the layer's products +1-1.5%. */
+    p.group_m = splits && S >= 2048 * E ? 4 : GM_GROUP_M;
     p.vec = N % (d->dtype == FM_DTYPE_F32 ? 4 : 8) == 0 && (uintptr_t)d->data % 16 == 0;
     if (splits && splits->device)
         p.splits = splits->device;
@@ -1136,7 +1147,8 @@ extern "C" const char *fm_cuda_gemm_wgrad_sm90_why_not(fm_context *ctx, const fm
         (dy->scale_layout == FM_SCALE_LAYOUT_GEMM && (uintptr_t)dy->scale % 16) ||
         (x->scale_layout == FM_SCALE_LAYOUT_GEMM && (uintptr_t)x->scale % 16))
         return "needs 16-byte aligned operands and scales (TMA)";
-    if (N >= INT_MAX / 2 || K >= INT_MAX / 2 || E * N >= INT_MAX || fm_cdiv(N, 64) * fm_cdiv(K, 128) * GK_MAX >= INT_MAX)
+    if (N >= INT_MAX / 2 || K >= INT_MAX / 2 || E * N >= INT_MAX ||
+        fm_cdiv(N, 64) * fm_cdiv(K, 128) * GK_MAX >= INT_MAX)
         return "takes fewer than 2^30 rows and columns and 2^31 tiles a launch";
     return NULL;
 }
