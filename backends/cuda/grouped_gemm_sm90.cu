@@ -354,66 +354,42 @@ __device__ static __forceinline__ void gm_retire(float *acc, float *part, uint64
     }
 }
 
-/* A warp's 16 rows of BF16 outputs, column groups j0 to j0 + 3 (32
- * columns), into its 1 KB staging chunk `buf`: stmatrix turns the
- * accumulator layout (each lane 4 bytes of a row per 8 columns) into rows of
- * 64 bytes, the 16-byte chunk c of row r at chunk c ^ (r / 2 % 4), so that
- * neither side has bank conflicts. */
-__device__ static __forceinline__ void gm_stage_bf16(const float *acc, uint32_t buf, int lane, int j0)
-{
-    const int lrow = ((lane >> 3) & 1) * 8 + (lane & 7); /* the row whose address this lane gives stmatrix */
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        /* matrices: rows 0-7 and 8-15 of column group j, then of j + 1 */
-        const int j = j0 + 2 * h, cc = 2 * h + (lane >> 4);
-        uint32_t w[4];
-        __nv_bfloat162 b;
-        b = __floats2bfloat162_rn(acc[4 * j + 0], acc[4 * j + 1]);
-        w[0] = *(uint32_t *)&b;
-        b = __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
-        w[1] = *(uint32_t *)&b;
-        b = __floats2bfloat162_rn(acc[4 * j + 4], acc[4 * j + 5]);
-        w[2] = *(uint32_t *)&b;
-        b = __floats2bfloat162_rn(acc[4 * j + 6], acc[4 * j + 7]);
-        w[3] = *(uint32_t *)&b;
-        const uint32_t a = buf + lrow * 64 + ((cc ^ ((lrow >> 1) & 3)) << 4);
-        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(w[0]),
-                     "r"(w[1]), "r"(w[2]), "r"(w[3])
-                     : "memory");
-    }
-}
-
-/* As gm_stage_bf16 for F32 outputs: 16 columns (chunk c of the warp's
- * rows), in the same swizzled rows of 64 bytes. */
-__device__ static __forceinline__ void gm_stage_f32(const float *acc, uint32_t buf, int lane, int c)
-{
-    const int lr = lane >> 2, sw = (lr >> 1) & 3; /* rows lr and lr + 8 share the swizzle */
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        const int j = 2 * c + h, u = 2 * h + ((lane & 3) >> 1);
-        const uint32_t a = buf + lr * 64 + ((u ^ sw) << 4) + (lane & 1) * 8;
-        asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(a), "f"(acc[4 * j + 0]), "f"(acc[4 * j + 1])
-                     : "memory");
-        asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(a + 8 * 64), "f"(acc[4 * j + 2]), "f"(acc[4 * j + 3])
-                     : "memory");
-    }
-}
-
 /* Stores a warp's 16 x BN BF16 outputs (rows from expert row r0; expert
  * rows start at global row g0, m_e of them; columns from n0) 32 columns at a
- * time through its 1 KB staging area (gm_stage_bf16), read back 16 bytes a
+ * time through its 1 KB staging area: stmatrix turns the accumulator layout
+ * (each lane 4 bytes of a row per 8 columns) into rows, read back 16 bytes a
  * lane. Stored straight from registers, 4-byte pieces of 8 rows per
  * instruction held the epilogue to the store pipe's pace (ncu: 5% of the
  * samples, both warpgroups idle on the tensor cores); this stores 4 times
- * fewer, whole 64-byte row pieces. */
+ * fewer, whole 64-byte row pieces. Rows of 64 bytes: the 16-byte chunk c of
+ * row r sits at chunk c ^ (r / 2 % 4), so neither side has bank conflicts. */
 template <int BN, typename P>
 __device__ static __forceinline__ void gm_store_bf16(const P *p, const float *acc, uint32_t buf, int lane,
                                                      int r0, int g0, int m_e, int n0)
 {
+    const int lrow = ((lane >> 3) & 1) * 8 + (lane & 7); /* the row whose address this lane gives stmatrix */
 #pragma unroll
     for (int j0 = 0; j0 < BN / 8; j0 += 4) {
         __syncwarp(); /* the previous chunk's reads are done */
-        gm_stage_bf16(acc, buf, lane, j0);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            /* matrices: rows 0-7 and 8-15 of column group j, then of j + 1 */
+            const int j = j0 + 2 * h, cc = 2 * h + (lane >> 4);
+            uint32_t w[4];
+            __nv_bfloat162 b;
+            b = __floats2bfloat162_rn(acc[4 * j + 0], acc[4 * j + 1]);
+            w[0] = *(uint32_t *)&b;
+            b = __floats2bfloat162_rn(acc[4 * j + 2], acc[4 * j + 3]);
+            w[1] = *(uint32_t *)&b;
+            b = __floats2bfloat162_rn(acc[4 * j + 4], acc[4 * j + 5]);
+            w[2] = *(uint32_t *)&b;
+            b = __floats2bfloat162_rn(acc[4 * j + 6], acc[4 * j + 7]);
+            w[3] = *(uint32_t *)&b;
+            const uint32_t a = buf + lrow * 64 + ((cc ^ ((lrow >> 1) & 3)) << 4);
+            asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(w[0]),
+                         "r"(w[1]), "r"(w[2]), "r"(w[3])
+                         : "memory");
+        }
         __syncwarp();
 #pragma unroll
         for (int q = 0; q < 2; q++) {
@@ -452,10 +428,20 @@ template <int BN, typename P>
 __device__ static __forceinline__ void gm_store_f32(const P *p, const float *acc, uint32_t buf, int lane, int r0,
                                                     int g0, int m_e, int n0)
 {
+    const int lr = lane >> 2, sw = (lr >> 1) & 3; /* rows lr and lr + 8 share the swizzle */
 #pragma unroll
     for (int c = 0; c < BN / 16; c++) {
         __syncwarp(); /* the previous chunk's reads are done */
-        gm_stage_f32(acc, buf, lane, c);
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int j = 2 * c + h, u = 2 * h + ((lane & 3) >> 1);
+            const uint32_t a = buf + lr * 64 + ((u ^ sw) << 4) + (lane & 1) * 8;
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(a), "f"(acc[4 * j + 0]), "f"(acc[4 * j + 1])
+                         : "memory");
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(a + 8 * 64), "f"(acc[4 * j + 2]),
+                         "f"(acc[4 * j + 3])
+                         : "memory");
+        }
         __syncwarp();
 #pragma unroll
         for (int q = 0; q < 2; q++) {
@@ -489,12 +475,29 @@ __device__ static __forceinline__ void gm_store_f32(const P *p, const float *acc
     }
 }
 
-template <int STAGES>
+template <int CWG, int BN>
 __device__ static __forceinline__ void gm_next(int *s, int *ph)
 {
-    if (++*s == STAGES) {
+    if (++*s == GM_STAGES) {
         *s = 0;
         *ph ^= 1;
+    }
+}
+
+/* A stage's B scales (GEMM layout, `ns` entries a 128-row block, from `sb`):
+ * the 16 bytes holding K block kb's scale of each 128-column block the n
+ * block's columns fall in, the first at 16 bytes 0 and a second (192
+ * columns) at 16. A block past the last (an n block past it, the second of
+ * an odd pair, or the second half of the last) reads the last one: its
+ * columns are not stored. */
+template <int BN>
+__device__ static __forceinline__ void gm_load_sb(float *dst, const float *sb, long long ns, int nb, int nblk, int kb,
+                                                  uint64_t *bar)
+{
+    const int b0 = nb * BN / 128;
+    for (int h = 0; h < (BN == 128 ? 1 : 2); h++) {
+        const int bk = b0 + h < nblk ? b0 + h : nblk - 1;
+        gm_bulk_load(dst + 4 * h, sb + bk * ns + (kb & ~3), 16, bar);
     }
 }
 
@@ -550,7 +553,7 @@ __device__ static __forceinline__ void gm_kblock(float *acc, float *part, uint32
     gm_issue<TA, TB, BLK, CWG, BN>(part, sm, full, s_sa, s_sb, *s, *ph, kb, wg, sa_row, odd, ts, s0, s1);
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
     gm_retire<CL, BN>(acc, part, empty, *s, lane, s0, s1);
-    gm_next<GM_STAGES>(s, ph);
+    gm_next<CWG, BN>(s, ph);
 }
 
 #endif /* GM_SM90A */
@@ -645,22 +648,10 @@ __global__ void __launch_bounds__(GM_THREADS, 1)
                          * memory by the consumers, their latency stalled every
                          * K block (ncu: 30% of the samples). */
                         gm_tma_load(s_sa + s * (GM_SA_BYTES / 4), &map_sa, &full[s], arow & ~3, kb);
-                        /* The 128-column B blocks the tile's columns fall in, the
-                         * first at 16 bytes 0 and a second (192 columns) at 16. A
-                         * block past N (an n block past it, the second of an odd
-                         * pair, or the second half of the last) reads the last one:
-                         * its columns are not stored. */
-                        const int nblk = (p.n + 127) / 128, b0 = nb * BN / 128;
-                        for (int h = 0; h < (BN == 128 ? 1 : 2); h++) {
-                            const int bk = b0 + h < nblk ? b0 + h : nblk - 1;
-                            gm_bulk_load(s_sb + s * (GM_SB_BYTES / 4) + 4 * h, p.sb + e * p.sb_es + bk * p.sb_ns + (kb & ~3),
-                                         16, &full[s]);
-                        }
+                        gm_load_sb<BN>(s_sb + s * (GM_SB_BYTES / 4), p.sb + e * p.sb_es, p.sb_ns, nb, (p.n + 127) / 128,
+                                       kb, &full[s]);
                     }
-                    if (++s == GM_STAGES) {
-                        s = 0;
-                        ph ^= 1;
-                    }
+                    gm_next<CWG, BN>(&s, &ph);
                 }
             }
         }
@@ -767,13 +758,8 @@ __global__ void __launch_bounds__(GM_THREADS, 1) gk_kernel(const __grid_constant
                     gm_tma_load(st, &p.a[g], &full[s], kb * GM_BK, r0);
                     gm_tma_load(st + GM_TILE_A, &p.b[g], &full[s], kb * GM_BK, nb * GM_BN);
                     gm_bulk_load(s_sa + s * (GM_SA_BYTES / 4), sa + (long long)kb * p.sa_ld, sab, &full[s]);
-                    /* B blocks as the m-grouped kernel takes them: past K, the last one */
-                    for (int h = 0; h < (BN == 128 ? 1 : 2); h++) {
-                        const int bk = nb * BN / 128 + h < nblk ? nb * BN / 128 + h : nblk - 1;
-                        gm_bulk_load(s_sb + s * (GM_SB_BYTES / 4) + 4 * h, sb + (long long)bk * sb_ns + (kb & ~3), 16,
-                                     &full[s]);
-                    }
-                    gm_next<GM_STAGES>(&s, &ph);
+                    gm_load_sb<BN>(s_sb + s * (GM_SB_BYTES / 4), sb, sb_ns, nb, nblk, kb, &full[s]);
+                    gm_next<CWG, BN>(&s, &ph);
                 }
             }
         }
