@@ -71,8 +71,19 @@ static int is_flow(fm_recipe r) { return r == FM_RECIPE_FP8_FLOW || r == FM_RECI
  * less kept at T 4096, H 7168, k 8, in the time the permuted rows' takes
  * (S12-12). dy keeps the plain transpose: the data gradient needs its
  * permuted rows anyway, so there is nothing to save. The CUDA kernel reads
- * rows in 16-byte pieces. */
-static int x_rows(const fm_moe_layer_config *c) { return c->recipe == FM_RECIPE_FP8_FLOW && c->hidden % 16 == 0; }
+ * rows in 16-byte pieces.
+ * fp8-flow-fp4 keeps them too on one rank with top-k >= 2: the T FP8 token
+ * rows (H (1 + 4/128) bytes each) are then fewer bytes than the T·k +
+ * padding permuted rows in MXFP4 (H (1/2 + 1/32) each), and they hold what
+ * the GEMM read, where the MXFP4 copy rounded it once more. Over expert
+ * parallelism the rows a rank receives can be about as many as it permutes,
+ * so there it keeps the MXFP4 permuted rows. */
+static int x_rows(const fm_moe_layer_config *c)
+{
+    if (c->hidden % 16)
+        return 0;
+    return c->recipe == FM_RECIPE_FP8_FLOW || (c->recipe == FM_RECIPE_FP8_FLOW_FP4 && !c->comm && c->topk >= 2);
+}
 
 const char *fm_recipe_name(fm_recipe r)
 {
@@ -262,7 +273,8 @@ static void plan(fm_moe_layer *L, planner *p)
     case FM_RECIPE_FP8_FLOW_FP4:
         L->xin = take_q(p, Q, S, T, H);
         L->xp = take_q(p, Q, S, R, H);
-        L->xp4 = take_q(p, F4, MX, R, H);
+        if (!x_rows(c))
+            L->xp4 = take_q(p, F4, MX, R, H);
         L->xcol = take_gcol(p, Q, S, R, H, E);
         L->asv = take_q(p, F4, MX, R, 2 * I);
         L->hq = take_q(p, Q, S, R, I);
@@ -750,7 +762,7 @@ static fm_status forward(fm_moe_layer *L, const fm_moe_weights *w, const fm_tens
             return st;
         a_in = xrow;
         saved += tensor_total(&xcol);
-    } else if (rc == FM_RECIPE_FP8_FLOW) {
+    } else if (rc == FM_RECIPE_FP8_FLOW || x_rows(c)) {
         a_in = act8(L, &L->xp, R, H);
         saved += tensor_total(x_rows(c) ? &pin : &a_in); /* backward reads x's token rows, or these */
     } else {

@@ -18,9 +18,13 @@
  *   FP8_FLOW        FP8-Flow-MoE: x quantized once before dispatch, dy once
  *                   in backward; permute, SwiGLU, dSwiGLU and the column-wise
  *                   copies stay in FP8 (fused ops, scaling-aware transposes).
- *   FP8_FLOW_FP4    FP8_FLOW with the activations saved for backward (the
- *                   dispatched rows and the SwiGLU input) in MXFP4, through
- *                   direct conversions; the GEMMs still eat FP8. On one rank
+ *   FP8_FLOW_FP4    FP8_FLOW with the activations saved for backward in
+ *                   MXFP4, through direct conversions: the SwiGLU input, and
+ *                   the dispatched rows over expert parallelism or with
+ *                   top-k 1 (on one rank with top-k >= 2 x's FP8 token rows,
+ *                   which FP8_FLOW keeps, take fewer bytes than the k-fold
+ *                   dispatched rows in MXFP4, so those are kept instead);
+ *                   the GEMMs still eat FP8. On one rank
  *                   the dispatch moves nothing between GPUs, so its payload
  *                   stays FP8 (an MXFP4 payload there only added error:
  *                   +14.7% final loss in fm-train); over expert parallelism
