@@ -401,6 +401,8 @@ static fm_status check_config(fm_context *ctx, const fm_moe_layer_config *c)
                         c->wgrad_tight_columns);
     if (c->single_stream != 0 && c->single_stream != 1)
         return fm_error(ctx, FM_ERR_INVALID_ARG, "cfg->single_stream: %d is neither 0 nor 1", c->single_stream);
+    if (c->recompute_h != 0 && c->recompute_h != 1)
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "cfg->recompute_h: %d is neither 0 nor 1", c->recompute_h);
     if ((unsigned)c->score >= FM_ROUTER_SCORE_COUNT)
         return fm_error(ctx, FM_ERR_INVALID_ARG, "cfg->score: %d is not an fm_router_score", (int)c->score);
     if (c->recipe == FM_RECIPE_FP8_FLOW_FP4 && (c->hidden % 32 || c->ffn % 16))
@@ -801,7 +803,9 @@ static fm_status forward(fm_moe_layer *L, const fm_moe_weights *w, const fm_tens
         h_in = act8(L, &L->hq, R, I);
         if ((st = fm_moe_swiglu(ctx, &qc, &a, &rprobs, &h_in, NULL, &asv)))
             return st;
-        saved += tensor_total(&asv);
+        saved += tensor_total(&asv); /* dSwiGLU's input */
+        if (!c->recompute_h)
+            saved += tensor_total(&h_in); /* W2's gradient's h */
     }
 
     /* fc2 and the combine (the probabilities are already in h). */
@@ -991,10 +995,11 @@ static fm_status backward(fm_moe_layer *L, const fm_moe_weights *w, const fm_ten
         hcol = gcol8(L, &L->hcol, wmode, R, I);
         xcol = gcol8(L, &L->xcol, wmode, R, H);
         dy_col = gcol8(L, &L->dycol, FM_SCALE_BLOCK_1x128, R, H);
-        /* h is recomputed from the saved activation (cheaper than keeping it). */
+        /* h: the forward's own (kept), or recomputed from the saved SwiGLU
+         * input (cfg->recompute_h). */
         fm_tensor hq = act8(L, &L->hq, R, I), xp = act8(L, &L->xp, R, H);
         if ((st = use_queue(L, 1, 1)) || (st = fm_transpose_scaled_grouped(ctx, &rq, &sp, &dy_row, &dy_col)) ||
-            (st = fm_moe_swiglu(ctx, &qc, &a_saved, &rprobs, &hq, NULL, NULL)) ||
+            (c->recompute_h && (st = fm_moe_swiglu(ctx, &qc, &a_saved, &rprobs, &hq, NULL, NULL))) ||
             (st = fm_transpose_scaled_grouped(ctx, &rqw, &sp, &hq, &hcol)))
             return st;
         if (x_rows(c)) {

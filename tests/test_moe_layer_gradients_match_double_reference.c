@@ -3,9 +3,11 @@
  * sigmoid top-k routing. The forward is compared directly; every gradient
  * (dx, dW1, dW2, dWr) against central finite differences of the double
  * model's loss L = Σ y ⊙ r, with r the dy handed to backward. Each recipe is
- * judged with the tolerance its precision allows, and the recipe facts the
- * layer reports are checked: fp8-flow makes exactly 2 casts a step,
- * fp8-blockwise more, and fp8-flow(-fp4) save less than bf16. */
+ * judged with the tolerance its precision allows (the flow recipes also with
+ * h recomputed in backward, cfg.recompute_h), and the recipe facts the layer
+ * reports are checked: fp8-flow makes exactly 2 casts a step, fp8-blockwise
+ * more, fp8-flow(-fp4) save less than bf16, and recomputing h keeps exactly
+ * h's bytes fewer. */
 #include <math.h>
 
 #include "test_util.h"
@@ -164,17 +166,22 @@ static void run_case(fm_context *ctx, const shape *s)
 
     float *fwr = to_f(p.wr, nwr), *fw1 = to_f(p.w1, nw1), *fw2 = to_f(p.w2, nw2), *fx = to_f(x, nx), *fr = to_f(r, nx);
     int64_t casts[FM_RECIPE_COUNT] = {0};
-    for (int rc = 0; rc < FM_RECIPE_COUNT; rc++) {
+    /* every recipe, then the flow recipes again with h recomputed in backward */
+    for (int run = 0; run < FM_RECIPE_COUNT + 2; run++) {
+        const int rh = run >= FM_RECIPE_COUNT;
+        const int rc = !rh ? run : run == FM_RECIPE_COUNT ? FM_RECIPE_FP8_FLOW : FM_RECIPE_FP8_FLOW_FP4;
         if (rc == FM_RECIPE_FP8_FLOW_FP4 && (H % 32 || I % 16))
             continue;
         fm_moe_layer_config cfg = {.hidden = H, .ffn = I, .experts = E, .topk = s->k, .score = s->score,
-                                   .renormalize = s->renorm, .recipe = (fm_recipe)rc, .max_tokens = T};
+                                   .renormalize = s->renorm, .recipe = (fm_recipe)rc, .max_tokens = T,
+                                   .recompute_h = rh};
         fm_moe_layer *L = NULL;
         int64_t need = -1;
         CHECK(fm_moe_layer_workspace_size(ctx, &cfg, &need) == FM_OK && need > 0, "workspace size: %s",
               fm_last_error(ctx));
         if (fm_moe_layer_create(ctx, &cfg, &L) != FM_OK) {
-            CHECK(0, "%s: create: %s", fm_recipe_name((fm_recipe)rc), fm_last_error(ctx));
+            CHECK(0, "%s%s: create: %s", fm_recipe_name((fm_recipe)rc), rh ? ", h recomputed" : "",
+                  fm_last_error(ctx));
             continue;
         }
         float *gr = calloc((size_t)nwr, 4), *g1 = calloc((size_t)nw1, 4), *g2 = calloc((size_t)nw2, 4);
@@ -184,7 +191,8 @@ static void run_case(fm_context *ctx, const shape *s)
         fm_moe_weights w = {fwr, fw1, fw2, gr, g1, g2};
         fm_tensor tx = fm_tensor_2d(fx, FM_DTYPE_F32, T, H), ty = fm_tensor_2d(y, FM_DTYPE_F32, T, H);
         fm_tensor tr = fm_tensor_2d(fr, FM_DTYPE_F32, T, H), tdx = fm_tensor_2d(dx, FM_DTYPE_F32, T, H);
-        const char *rn = fm_recipe_name((fm_recipe)rc);
+        char rn[48];
+        snprintf(rn, sizeof rn, "%s%s", fm_recipe_name((fm_recipe)rc), rh ? ", h recomputed" : "");
         fm_status st = fm_moe_layer_refresh_weights(L, &w);
         if (!st)
             st = fm_moe_layer_forward(L, &w, &tx, &ty);
@@ -231,7 +239,10 @@ static void run_case(fm_context *ctx, const shape *s)
                        (long long)T, (long long)H, (long long)I, (long long)E, s->k, ey, ex, e1, e2, er);
             fm_moe_layer_info info;
             CHECK(fm_moe_layer_get_info(L, &info) == FM_OK && info.workspace_bytes == need, "%s: info", rn);
-            casts[rc] = info.casts_per_step;
+            if (!rh)
+                casts[rc] = info.casts_per_step;
+            else
+                CHECK(info.casts_per_step == 2, "%s: %lld casts per step", rn, (long long)info.casts_per_step);
         }
         fm_moe_layer_destroy(L);
         free(gr), free(g1), free(g2), free(y), free(dx);
@@ -272,6 +283,22 @@ static void saves_less_than_bf16(fm_context *ctx)
               fm_last_error(ctx));
         saved[rc] = info.saved_bytes;
         fm_moe_layer_destroy(L);
+        if (rc == FM_RECIPE_FP8_FLOW) {
+            /* h recomputed in backward: exactly its FP8 codes and 1x128 scales fewer kept */
+            const int64_t hq = info.padded_rows * (I + 4 * ((I + 127) / 128));
+            cfg.recompute_h = 1;
+            fm_moe_layer_info ri = {0};
+            L = NULL;
+            st = fm_moe_layer_create(ctx, &cfg, &L);
+            if (!st)
+                st = fm_moe_layer_refresh_weights(L, &w);
+            if (!st)
+                st = fm_moe_layer_forward(L, &w, &tx, &ty);
+            CHECK(st == FM_OK && fm_moe_layer_get_info(L, &ri) == FM_OK && ri.saved_bytes == info.saved_bytes - hq,
+                  "fp8-flow, h recomputed: saved %lld, kept h %lld, h %lld bytes (%s)", (long long)ri.saved_bytes,
+                  (long long)info.saved_bytes, (long long)hq, st ? fm_last_error(ctx) : "ok");
+            fm_moe_layer_destroy(L);
+        }
     }
     CHECK(saved[FM_RECIPE_FP8_FLOW] * 10 <= saved[FM_RECIPE_BF16] * 6 &&
               saved[FM_RECIPE_FP8_FLOW_FP4] * 10 <= saved[FM_RECIPE_BF16] * 4,
@@ -305,6 +332,10 @@ static void rejects_bad_config(fm_context *ctx)
     c.single_stream = 2;
     CHECK(fm_moe_layer_create(ctx, &c, &L) == FM_ERR_INVALID_ARG && strstr(fm_last_error(ctx), "single_stream") && !L,
           "single_stream 2: %s", fm_last_error(ctx));
+    c = ok;
+    c.recompute_h = -1;
+    CHECK(fm_moe_layer_create(ctx, &c, &L) == FM_ERR_INVALID_ARG && strstr(fm_last_error(ctx), "recompute_h") && !L,
+          "recompute_h -1: %s", fm_last_error(ctx));
     CHECK(fm_moe_layer_create(ctx, &ok, &L) == FM_OK, "valid config: %s", fm_last_error(ctx));
     float x[16 * 64], y[16 * 64];
     fm_tensor tx = fm_tensor_2d(x, FM_DTYPE_F32, 16, 64), ty = fm_tensor_2d(y, FM_DTYPE_F32, 16, 64);

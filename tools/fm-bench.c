@@ -654,7 +654,7 @@ static const mcase mcases[] = {
     {"moe_unpermute + combine BF16 -> F32, probs", M_UNPERMUTE, FM_DTYPE_BF16, FM_DTYPE_F32, 0, 0.80},
     {"moe_swiglu BF16 -> E4M3 1x128 row, probs", M_SWIGLU, FM_DTYPE_BF16, FM_DTYPE_E4M3, 0, 0.85},
     {"moe_swiglu BF16 -> E4M3 1x128 row+col, probs", M_SWIGLU, FM_DTYPE_BF16, FM_DTYPE_E4M3, 1, 0},
-    {"moe_swiglu E4M3 1x128 -> E4M3 1x128 row, probs (fp8-flow's recompute)", M_SWIGLU, FM_DTYPE_E4M3, FM_DTYPE_E4M3, 0, 0},
+    {"moe_swiglu E4M3 1x128 -> E4M3 1x128 row, probs (from FP8 input)", M_SWIGLU, FM_DTYPE_E4M3, FM_DTYPE_E4M3, 0, 0},
     {"unfused moe_swiglu BF16 -> BF16, fm_quantize -> E4M3 1x128 row", M_SWIGLU_UNFUSED, FM_DTYPE_BF16, FM_DTYPE_E4M3, 0, 0},
     {"moe_swiglu_backward dh BF16, in E4M3 1x128 -> E4M3 1x128 row, dprobs", M_DSWIGLU, FM_DTYPE_BF16, FM_DTYPE_E4M3, 0, 0.80},
     {"moe_swiglu_backward dh BF16, in E4M3 1x128 -> E4M3 1x128 row+col, dprobs", M_DSWIGLU, FM_DTYPE_BF16, FM_DTYPE_E4M3, 1, 0},
@@ -946,17 +946,20 @@ static int bench_moe(fm_context *ctx, cudaStream_t s, const char *filter, double
 
 /* The layer rows: every recipe, then variants of one: fp8-flow with the
  * TIGHT 128 x 1 column copies of x and h (cfg.wgrad_tight_columns) next to
- * the default ROWMAX 128 x 128 ones, and bf16 and fp8-flow with their
- * backward on one stream (cfg.single_stream) next to the default two. */
-#define LB_ROWS (FM_RECIPE_COUNT + 3)
+ * the default ROWMAX 128 x 128 ones, bf16 and fp8-flow with their backward
+ * on one stream (cfg.single_stream) next to the default two, and the flow
+ * recipes with h recomputed in backward (cfg.recompute_h) instead of kept. */
+#define LB_ROWS (FM_RECIPE_COUNT + 5)
 static const struct {
     fm_recipe recipe;
-    int tight, single;
+    int tight, single, recompute;
     const char *label;
 } lb_variant[LB_ROWS - FM_RECIPE_COUNT] = {
-    {FM_RECIPE_FP8_FLOW, 1, 0, "fp8-flow, x and h 128x1 TIGHT for the weight gradients"},
-    {FM_RECIPE_BF16, 0, 1, "bf16, backward on one stream"},
-    {FM_RECIPE_FP8_FLOW, 0, 1, "fp8-flow, backward on one stream"},
+    {FM_RECIPE_FP8_FLOW, 1, 0, 0, "fp8-flow, x and h 128x1 TIGHT for the weight gradients"},
+    {FM_RECIPE_BF16, 0, 1, 0, "bf16, backward on one stream"},
+    {FM_RECIPE_FP8_FLOW, 0, 1, 0, "fp8-flow, backward on one stream"},
+    {FM_RECIPE_FP8_FLOW, 0, 0, 1, "fp8-flow, h recomputed in backward"},
+    {FM_RECIPE_FP8_FLOW_FP4, 0, 0, 1, "fp8-flow-fp4, h recomputed in backward"},
 };
 
 typedef struct lresult {
@@ -1013,7 +1016,9 @@ static int bench_layer(fm_context *ctx, cudaStream_t s, const char *filter, lres
                                          "moe_layer forward+backward fp8-flow", "moe_layer forward+backward fp8-flow-fp4",
                                          "moe_layer forward+backward fp8-flow, wgrad tight columns",
                                          "moe_layer forward+backward bf16, one stream",
-                                         "moe_layer forward+backward fp8-flow, one stream"};
+                                         "moe_layer forward+backward fp8-flow, one stream",
+                                         "moe_layer forward+backward fp8-flow, h recomputed",
+                                         "moe_layer forward+backward fp8-flow-fp4, h recomputed"};
     int any = 0;
     for (int r = 0; r < LB_ROWS; r++)
         any |= !filter || strstr(names[r], filter) != NULL;
@@ -1050,7 +1055,8 @@ static int bench_layer(fm_context *ctx, cudaStream_t s, const char *filter, lres
         fm_moe_layer_config cfg = {.hidden = LB_H, .ffn = LB_I, .experts = LB_E, .topk = LB_K,
                                    .score = FM_ROUTER_SOFTMAX, .renormalize = 1, .recipe = rc,
                                    .max_tokens = LB_T, .wgrad_tight_columns = v >= 0 && lb_variant[v].tight,
-                                   .single_stream = v >= 0 && lb_variant[v].single};
+                                   .single_stream = v >= 0 && lb_variant[v].single,
+                                   .recompute_h = v >= 0 && lb_variant[v].recompute};
         lresult *o = &out[n++];
         memset(o, 0, sizeof *o);
         o->recipe = rc;

@@ -53,6 +53,7 @@ typedef struct {
     int nrecipes;
     int control;   /* one more bf16 student from slightly perturbed initial weights */
     int wgrad_tight; /* fm_moe_layer_config.wgrad_tight_columns of every layer */
+    int recompute_h; /* fm_moe_layer_config.recompute_h of every layer */
     int nstudents; /* nrecipes + control */
     int64_t steps, layers, hidden, ffn, experts, topk, tokens, threads, print_every, rank, ep;
     uint64_t seed;
@@ -85,7 +86,7 @@ static void usage(FILE *f)
             "usage: %s [--backend cpu|cuda] [--recipes LIST] [--steps N] [--seed S] [--layers L]\n"
             "          [--hidden H] [--ffn I] [--experts E] [--topk K] [--tokens T] [--lr LR] [--wd WD]\n"
             "          [--teacher-rank R] [--threads N] [--ep N] [--print-every N] [--control] [--wgrad-tight]\n"
-            "          [--out DIR] [--help]\n"
+            "          [--recompute-h] [--out DIR] [--help]\n"
             "\n"
             "Trains a small MoE model (L blocks x = x + MoE(RMSNorm(x)), AdamW, MSE) to imitate a fixed\n"
             "random teacher of the same shape, once per flowmoe recipe, from the same initial weights\n"
@@ -113,6 +114,8 @@ static void usage(FILE *f)
             "                    2^-12, whose gap to bf16 is how far two runs drift apart on this task alone\n"
             "  --wgrad-tight     fp8-flow(-fp4): weight gradients read x and h scaled per 128 x 1 column\n"
             "                    block (TIGHT) instead of per 128 x 128 tile (ROWMAX, the default)\n"
+            "  --recompute-h     fp8-flow(-fp4): backward recomputes h from the saved SwiGLU input instead\n"
+            "                    of keeping the forward's (fewer bytes kept, one more SwiGLU pass)\n"
             "  --out DIR         where loss.csv and loss.svg go (default %s)\n"
             "  --help            this text\n",
             prog, (long long)defaults.steps, (unsigned long long)defaults.seed, (long long)defaults.layers,
@@ -179,6 +182,10 @@ static int parse_args(int argc, char **argv, options *o)
         }
         if (!strcmp(a, "--wgrad-tight")) {
             o->wgrad_tight = 1;
+            continue;
+        }
+        if (!strcmp(a, "--recompute-h")) {
+            o->recompute_h = 1;
             continue;
         }
         static const char *const with_value[] = {"--backend", "--recipes", "--steps", "--seed", "--layers",
@@ -491,7 +498,8 @@ static int block_create(trainer *tr, fm_recipe recipe, block *b, const block *in
     b->dev_x = (float *)(base + off[6]);
     fm_moe_layer_config cfg = {.hidden = tr->H, .ffn = tr->I, .experts = tr->E, .topk = (int)o->topk,
                                .score = FM_ROUTER_SOFTMAX, .renormalize = 1, .recipe = recipe,
-                               .max_tokens = tr->Tmax, .comm = tr->comm, .wgrad_tight_columns = o->wgrad_tight};
+                               .max_tokens = tr->Tmax, .comm = tr->comm, .wgrad_tight_columns = o->wgrad_tight,
+                               .recompute_h = o->recompute_h};
     if (fm_moe_layer_create(tr->ctx, &cfg, &b->layer) != FM_OK)
         return fail(tr->ctx, "fm_moe_layer_create");
     return 0;

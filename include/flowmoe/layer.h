@@ -102,6 +102,14 @@ typedef struct fm_moe_layer_config {
      * fm_context_config.workspace_bytes). The results are the same bit for
      * bit; with a comm the layer always keeps to one stream. */
     int single_stream;
+    /* fp8-flow(-fp4): what W2's weight gradient reads as h, the SwiGLU
+     * output. 0 (the default): the FP8 h the forward made and fc2 read, kept
+     * for backward, so the gradient is that of the forward's own product. 1:
+     * h recomputed in backward from the saved SwiGLU input (FP8, or MXFP4 for
+     * fp8-flow-fp4): R x I FP8 codes and their scales fewer kept (69 MB a
+     * layer at T 4096, I 2048, k 8), one SwiGLU pass more, and an h made from
+     * the rounded input, not the forward's. */
+    int recompute_h;
 } fm_moe_layer_config;
 
 /* Caller-owned F32 tensors in the context's memory, row-major. */

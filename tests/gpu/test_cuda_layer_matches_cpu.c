@@ -1,4 +1,5 @@
-/* One MoE layer step (forward + backward, every recipe) on CUDA is the same
+/* One MoE layer step (forward + backward, every recipe; the flow recipes
+ * also with h recomputed in backward) on CUDA is the same
  * bits run to run and with its backward on one stream or two
  * (cfg.single_stream; also at a size where the two streams' kernels overlap
  * for long), and against the CPU backend from the same weights and data: y, dx and the three weight
@@ -108,10 +109,14 @@ int main(void)
         c.p[i] = malloc((size_t)n[i] * 4);
         d.p[i] = NULL;
     }
-    for (int rc = 0; rc < FM_RECIPE_COUNT; rc++) {
-        const char *rn = fm_recipe_name((fm_recipe)rc);
+    /* every recipe, then the flow recipes with h recomputed in backward */
+    for (int run = 0; run < FM_RECIPE_COUNT + 2; run++) {
+        const int rh = run >= FM_RECIPE_COUNT;
+        const int rc = !rh ? run : run == FM_RECIPE_COUNT ? FM_RECIPE_FP8_FLOW : FM_RECIPE_FP8_FLOW_FP4;
+        char rn[48];
+        snprintf(rn, sizeof rn, "%s%s", fm_recipe_name((fm_recipe)rc), rh ? ", h recomputed" : "");
         fm_moe_layer_config cfg = {.hidden = H, .ffn = I, .experts = E, .topk = k, .renormalize = 1,
-                                   .recipe = (fm_recipe)rc, .max_tokens = T};
+                                   .recipe = (fm_recipe)rc, .max_tokens = T, .recompute_h = rh};
         for (int i = 0; i < NB; i++) {
             memcpy(c.p[i], h.p[i], (size_t)n[i] * 4);
             GT_CHECK(fm_context_alloc(gpu, (size_t)n[i] * 4, (void **)&d.p[i]) == FM_OK, "alloc: %s",
@@ -162,7 +167,7 @@ int main(void)
                 GT_CHECK(fm_context_copy(gpu, g, FM_DEVICE_HOST, d.p[i], FM_DEVICE_CUDA, (size_t)n[i] * 4) == FM_OK,
                          "copy back");
                 double e = gt_rel_frob(g, c.p[i], n[i]);
-                printf("%-14s %-12s rel. error %.2e (bound %.0e)\n", rn, on[o], e, tol);
+                printf("%-28s %-12s rel. error %.2e (bound %.0e)\n", rn, on[o], e, tol);
                 GT_CHECK(e <= tol, "%s %s: CUDA vs CPU rel. Frobenius error %.3g > %.3g", rn, on[o], e, tol);
                 free(g);
             }
