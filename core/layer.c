@@ -72,17 +72,25 @@ static int is_flow(fm_recipe r) { return r == FM_RECIPE_FP8_FLOW || r == FM_RECI
  * (S12-12). dy keeps the plain transpose: the data gradient needs its
  * permuted rows anyway, so there is nothing to save. The CUDA kernel reads
  * rows in 16-byte pieces.
- * fp8-flow-fp4 keeps them too on one rank with top-k >= 2: the T FP8 token
- * rows (H (1 + 4/128) bytes each) are then fewer bytes than the T·k +
- * padding permuted rows in MXFP4 (H (1/2 + 1/32) each), and they hold what
- * the GEMM read, where the MXFP4 copy rounded it once more. Over expert
- * parallelism the rows a rank receives can be about as many as it permutes,
- * so there it keeps the MXFP4 permuted rows. */
+ * fp8-flow-fp4 reads them too, where they hold what the GEMM read in fewer
+ * bytes than the T·k + padding permuted rows in MXFP4 (H (1/2 + 1/32) bytes
+ * each), which rounded it once more: on one rank with top-k >= 2 the T FP8
+ * token rows (H (1 + 4/128) each); over expert parallelism the MXFP4 rows
+ * the rank received (never more rows than it permutes), kept as they came
+ * and turned into FP8 again in backward, as the forward did. */
 static int x_rows(const fm_moe_layer_config *c)
 {
     if (c->hidden % 16)
         return 0;
-    return c->recipe == FM_RECIPE_FP8_FLOW || (c->recipe == FM_RECIPE_FP8_FLOW_FP4 && !c->comm && c->topk >= 2);
+    return c->recipe == FM_RECIPE_FP8_FLOW ||
+           (c->recipe == FM_RECIPE_FP8_FLOW_FP4 && (c->comm || c->topk >= 2));
+}
+
+/* fp8-flow-fp4 over expert parallelism: backward's x rows come from the
+ * MXFP4 rows received (L->xr4), not from the FP8 rows made of them. */
+static int x_rows_fp4(const fm_moe_layer_config *c)
+{
+    return x_rows(c) && c->recipe == FM_RECIPE_FP8_FLOW_FP4 && c->comm;
 }
 
 const char *fm_recipe_name(fm_recipe r)
@@ -766,7 +774,9 @@ static fm_status forward(fm_moe_layer *L, const fm_moe_weights *w, const fm_tens
         saved += tensor_total(&xcol);
     } else if (rc == FM_RECIPE_FP8_FLOW || x_rows(c)) {
         a_in = act8(L, &L->xp, R, H);
-        saved += tensor_total(x_rows(c) ? &pin : &a_in); /* backward reads x's token rows, or these */
+        /* backward reads x's token rows (received ones over EP), or these */
+        fm_tensor kept = !x_rows(c) ? a_in : x_rows_fp4(c) ? act4(L, &L->xr4, Rr, H) : pin;
+        saved += tensor_total(&kept);
     } else {
         /* The GEMM eats the FP8 rows; backward keeps them in MXFP4. */
         fm_tensor x4 = act4(L, &L->xp4, R, H);
@@ -1006,7 +1016,12 @@ static fm_status backward(fm_moe_layer *L, const fm_moe_weights *w, const fm_ten
             /* the forward's permute input: x's token rows, or the rows this rank received */
             fm_tensor xrows = c->comm ? act8(L, &L->xr, Rr, H) : act8(L, &L->xin, T, H);
             fm_tensor rmap = plain(L, &L->row_map, FM_DTYPE_I32, R, 1);
-            st = fm_transpose_scaled_grouped_rows(ctx, &rqw, &sp, &xrows, &rmap, c->topk, &xcol);
+            if (x_rows_fp4(c)) {
+                fm_tensor x4 = act4(L, &L->xr4, Rr, H);
+                st = fm_convert_scaled(ctx, &rq, &x4, &xrows);
+            }
+            if (!st)
+                st = fm_transpose_scaled_grouped_rows(ctx, &rqw, &sp, &xrows, &rmap, c->topk, &xcol);
         } else {
             if (rc == FM_RECIPE_FP8_FLOW_FP4) {
                 fm_tensor x4 = act4(L, &L->xp4, R, H);

@@ -20,9 +20,10 @@
  *                   copies stay in FP8 (fused ops, scaling-aware transposes).
  *   FP8_FLOW_FP4    FP8_FLOW with the activations saved for backward in
  *                   MXFP4, through direct conversions: the SwiGLU input, and
- *                   the dispatched rows over expert parallelism or with
- *                   top-k 1 (on one rank with top-k >= 2 x's FP8 token rows,
- *                   which FP8_FLOW keeps, take fewer bytes than the k-fold
+ *                   x as the MXFP4 rows the rank received over expert
+ *                   parallelism, or its dispatched rows in MXFP4 with top-k
+ *                   1 (on one rank with top-k >= 2 x's FP8 token rows, which
+ *                   FP8_FLOW keeps, take fewer bytes than the k-fold
  *                   dispatched rows in MXFP4, so those are kept instead);
  *                   the GEMMs still eat FP8. On one rank
  *                   the dispatch moves nothing between GPUs, so its payload
