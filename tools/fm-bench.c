@@ -66,6 +66,15 @@ static int cmpf(const void *a, const void *b)
 
 typedef void (*bench_fn)(void *arg, int rep);
 
+/* --filter: rows whose name holds the string, or, written "=NAME", the row
+ * of exactly that name (a prefix of other rows' names picks them all). */
+static int picked(const char *name, const char *filter)
+{
+    if (!filter)
+        return 1;
+    return filter[0] == '=' ? !strcmp(name, filter + 1) : strstr(name, filter) != NULL;
+}
+
 /* The stream waits in this host function while a repetition is enqueued:
  * the GPU then reaches the start event with the op's launches already
  * queued behind it, as in a training step where the host runs ahead, so
@@ -553,7 +562,7 @@ static int bench_gemms(fm_context *ctx, cudaStream_t s, const char *filter, gres
     int n = 0;
     for (int ci = 0; ci < NGCASES; ci++) {
         const gcase *c = &gcases[ci];
-        if (filter && !strstr(c->name, filter))
+        if (!picked(c->name, filter))
             continue;
         grun g;
         memset(&g, 0, sizeof g);
@@ -828,7 +837,7 @@ static int bench_moe(fm_context *ctx, cudaStream_t s, const char *filter, double
 {
     int n = 0, any = 0;
     for (int ci = 0; ci < NMCASES; ci++)
-        any |= !filter || strstr(mcases[ci].name, filter) != NULL;
+        any |= picked(mcases[ci].name, filter);
     moe_routing r;
     memset(&r, 0, sizeof r);
     if (!any || !routing_make(ctx, s, &r))
@@ -836,7 +845,7 @@ static int bench_moe(fm_context *ctx, cudaStream_t s, const char *filter, double
     const fm_scale_mode q = FM_SCALE_BLOCK_1x128;
     for (int ci = 0; ci < NMCASES; ci++) {
         const mcase *c = &mcases[ci];
-        if (filter && !strstr(c->name, filter))
+        if (!picked(c->name, filter))
             continue;
         mrun m;
         memset(&m, 0, sizeof m);
@@ -1021,7 +1030,7 @@ static int bench_layer(fm_context *ctx, cudaStream_t s, const char *filter, lres
                                          "moe_layer forward+backward fp8-flow-fp4, h recomputed"};
     int any = 0;
     for (int r = 0; r < LB_ROWS; r++)
-        any |= !filter || strstr(names[r], filter) != NULL;
+        any |= picked(names[r], filter);
     if (!any)
         return 0;
     lrun l;
@@ -1048,7 +1057,7 @@ static int bench_layer(fm_context *ctx, cudaStream_t s, const char *filter, lres
     double bf16_ms = 0;
     int64_t bf16_saved = 0;
     for (int r = 0; r < LB_ROWS; r++) {
-        if (filter && !strstr(names[r], filter))
+        if (!picked(names[r], filter))
             continue;
         const int v = r - FM_RECIPE_COUNT;
         const fm_recipe rc = v < 0 ? (fm_recipe)r : lb_variant[v].recipe;
@@ -1322,7 +1331,7 @@ static void ep_route(ep_world *w, int32_t **ids, float **probs)
 static int ep_section_wanted(const char *filter)
 {
     for (int i = 0; i < EP_NRES; i++)
-        if (!filter || strstr(ep_names[i], filter))
+        if (picked(ep_names[i], filter))
             return 1;
     return 0;
 }
@@ -1342,7 +1351,7 @@ static int bench_ep(const char *filter, ep_result *out, int *nranks, int64_t *to
     w.n = nd < EP_MAXR ? nd : EP_MAXR;
     w.reps = reps / 2 > 3 ? reps / 2 : 3;
     for (int i = 0; i < EP_NRES; i++)
-        if (!filter || strstr(ep_names[i], filter))
+        if (picked(ep_names[i], filter))
             w.mask |= (1u << i) | (1u << ep_raw_of[i]); /* result i is call i */
     int n = w.n;
     int32_t *ids[EP_MAXR];
@@ -1461,7 +1470,7 @@ static int bench_ep(const char *filter, ep_result *out, int *nranks, int64_t *to
     const ep_rank *z = &w.rk[0];
     int nres = 0;
     for (int i = 0; i < EP_NRES; i++) {
-        if (filter && !strstr(ep_names[i], filter))
+        if (!picked(ep_names[i], filter))
             continue;
         ep_result *o = &out[nres++];
         o->name = ep_names[i];
@@ -1533,7 +1542,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--ep-only"))
             ep_only = 1;
         else {
-            fprintf(stderr, "usage: fm-bench [--json] [--reps N] [--filter SUBSTRING] [--no-layer] [--no-ep] "
+            fprintf(stderr, "usage: fm-bench [--json] [--reps N] [--filter SUBSTRING|=NAME] [--no-layer] [--no-ep] "
                             "[--ep-only]\n");
             return 2;
         }
@@ -1595,7 +1604,7 @@ int main(int argc, char **argv)
     int nres = 0, below = 0;
     for (int ci = 0; ci < NCASES; ci++) {
         const bcase *c = &cases[ci];
-        if (filter && !strstr(c->name, filter))
+        if (!picked(c->name, filter))
             continue;
         run_arg a;
         memset(&a, 0, sizeof a);

@@ -6,6 +6,8 @@
 # matches), and prints per-step microseconds per kernel of FILTER minus
 # EXCLUDE, steps counted by the router's forward kernel (one a step).
 #   OUT=$OUT tools/gpu-layer-kernels.sh "moe_layer forward+backward fp8-flow" fp8-flow-fp4
+# or, with fm-bench's exact-name filter and nothing to subtract:
+#   OUT=$OUT tools/gpu-layer-kernels.sh "=moe_layer forward+backward fp8-flow"
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-layer-out}
