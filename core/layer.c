@@ -42,20 +42,20 @@ struct fm_moe_layer {
      * BF16 partial sums sent back (y, then dx) */
     lbuf rids, rprobk, dprobk;
     qbuf yr;
-    qbuf xr, xin4, xr4;        /* received x (payload format); fp4: x and received x in MXFP4 */
+    qbuf xr, xin4, xr4;        /* received x (payload format); fp4: x and received x in MXFP4 (xr4 kept for backward) */
     qbuf dyr;                  /* received dy */
     /* weights (refreshed) */
     qbuf w1, w1t, w2, w2t;     /* BF16: w*t are transposed copies; FP8: 128x128 row-wise and column-wise */
     /* forward */
     qbuf xin;                  /* x before dispatch: BF16, or FP8 (flow recipes) */
     qbuf xp;                   /* dispatched rows: BF16 or FP8 */
-    qbuf xp4;                  /* fp4: xp in MXFP4, what backward keeps */
+    qbuf xp4;                  /* fp4 with top-k 1 on one rank (!x_rows): xp in MXFP4, what backward keeps */
     qbuf xp8;                  /* blockwise: row-wise FP8 of xp */
     qbuf xcol;                 /* grouped column-wise FP8 of xp (blockwise saves it; flow makes it in backward) */
     qbuf a;                    /* fc1 output, BF16 [R, 2I] */
     qbuf asv;                  /* flow: a quantized in the SwiGLU pass (FP8 or MXFP4), saved */
     qbuf h;                    /* SwiGLU output: BF16 (bf16, blockwise) */
-    qbuf hq;                   /* FP8 row-wise SwiGLU output */
+    qbuf hq;                   /* FP8 row-wise SwiGLU output (flow: kept for backward unless cfg.recompute_h) */
     qbuf hcol;                 /* grouped column-wise FP8 of h */
     qbuf yp;                   /* fc2 output, BF16 [R, H] */
     /* backward */
@@ -86,12 +86,10 @@ static int x_rows(const fm_moe_layer_config *c)
            (c->recipe == FM_RECIPE_FP8_FLOW_FP4 && (c->comm || c->topk >= 2));
 }
 
-/* fp8-flow-fp4 over expert parallelism: backward's x rows come from the
- * MXFP4 rows received (L->xr4), not from the FP8 rows made of them. */
-static int x_rows_fp4(const fm_moe_layer_config *c)
-{
-    return x_rows(c) && c->recipe == FM_RECIPE_FP8_FLOW_FP4 && c->comm;
-}
+/* Where x_rows holds: fp8-flow-fp4 over expert parallelism, whose backward
+ * takes x's rows from the MXFP4 rows received (L->xr4), not from the FP8
+ * rows made of them. */
+static int x_rows_fp4(const fm_moe_layer_config *c) { return c->recipe == FM_RECIPE_FP8_FLOW_FP4 && c->comm; }
 
 const char *fm_recipe_name(fm_recipe r)
 {
