@@ -10,36 +10,24 @@
 #
 #   tools/convergence.sh SEEDS [fm-train arguments...]
 #       e.g. tools/convergence.sh 8 --steps 600 --lr 3e-3
+#   tools/convergence.sh --summary GAPS.txt...
+#       the table alone, over the seeds of several studies' gaps.txt (a study
+#       extended by FM_CONV_FIRST: its seeds must not repeat)
 #       (with --control, bf16-control's row is the spread two bf16 runs show
 #       on their own: the noise floor the recipes' gaps are read against)
 #
-# Runs seeds 1..SEEDS one after the other with the fm-train of build/ (run
-# tools/demo.sh once first); each run's full output lands in
-# ${FM_CONV_OUT:-out/convergence}/seed-N.txt. Environment: FM_BUILD_DIR
-# (default build).
+# Runs SEEDS seeds one after the other, from ${FM_CONV_FIRST:-1} on, with the
+# fm-train of build/ (run tools/demo.sh once first); each run's full output
+# lands in ${FM_CONV_OUT:-out/convergence}/seed-N.txt. Environment:
+# FM_BUILD_DIR (default build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ $# -ge 1 ] && [[ $1 =~ ^[1-9][0-9]*$ ]] || {
-    echo "usage: tools/convergence.sh SEEDS [fm-train arguments...]" >&2
+usage() {
+    echo "usage: tools/convergence.sh SEEDS [fm-train arguments...] | --summary GAPS.txt..." >&2
     exit 2
 }
-seeds=$1
-shift
-bin=${FM_BUILD_DIR:-build}/tools/fm-train
-[ -x "$bin" ] || {
-    echo "convergence.sh: $bin is missing; run tools/demo.sh first" >&2
-    exit 1
-}
-out=${FM_CONV_OUT:-out/convergence}
-mkdir -p "$out"
-echo "fm-train $* (seeds 1..$seeds)"
-for s in $(seq 1 "$seeds"); do
-    "$bin" "$@" --seed "$s" --out "$out/seed-$s" >"$out/seed-$s.txt"
-    # the final table's rows: | recipe | final loss | gap | bf16-forward loss | its gap | ...
-    awk -v s="$s" -F'|' '$2 ~ /^ (bf16|bf16-control|fp8-[a-z0-9-]+) $/ {
-        gsub(/ /, "", $2); gsub(/ /, "", $3); gsub(/[ %]/, "", $4); gsub(/[ %]/, "", $6); print s, $2, $3, $4, $6 }' \
-        "$out/seed-$s.txt"
-done | tee "$out/gaps.txt" | awk '
+summary() {
+    awk '
     { printf "seed %s %-14s final %s gap %s%% (bf16 forward: %s%%)\n", $1, $2, $3, $4, $5 }
     $2 != "bf16" {
         n[$2]++; sum[$2] += $4; sq[$2] += $4 * $4; sum16[$2] += $5; gap[$2, $1] = $4
@@ -72,3 +60,31 @@ done | tee "$out/gaps.txt" | awk '
                 pm(se(sum[r], sq[r], n[r])), lo[r], hi[r], sum16[r] / n[r], d
         }
     }'
+}
+if [ "${1:-}" = --summary ]; then
+    shift
+    [ $# -ge 1 ] || usage
+    cat "$@" | summary
+    exit
+fi
+[ $# -ge 1 ] && [[ $1 =~ ^[1-9][0-9]*$ ]] || usage
+seeds=$1
+shift
+first=${FM_CONV_FIRST:-1}
+[[ $first =~ ^[1-9][0-9]*$ ]] || usage
+last=$((first + seeds - 1))
+bin=${FM_BUILD_DIR:-build}/tools/fm-train
+[ -x "$bin" ] || {
+    echo "convergence.sh: $bin is missing; run tools/demo.sh first" >&2
+    exit 1
+}
+out=${FM_CONV_OUT:-out/convergence}
+mkdir -p "$out"
+echo "fm-train $* (seeds $first..$last)"
+for s in $(seq "$first" "$last"); do
+    "$bin" "$@" --seed "$s" --out "$out/seed-$s" >"$out/seed-$s.txt"
+    # the final table's rows: | recipe | final loss | gap | bf16-forward loss | its gap | ...
+    awk -v s="$s" -F'|' '$2 ~ /^ (bf16|bf16-control|fp8-[a-z0-9-]+) $/ {
+        gsub(/ /, "", $2); gsub(/ /, "", $3); gsub(/[ %]/, "", $4); gsub(/[ %]/, "", $6); print s, $2, $3, $4, $6 }' \
+        "$out/seed-$s.txt"
+done | tee "$out/gaps.txt" | summary
