@@ -16,6 +16,11 @@ typedef struct fm_cuda_state {
     void *gemm;            /* GEMM plan cache and side streams (gemm.cu), NULL until the first GEMM */
     void *host_small;      /* FM_CUDA_HOST_SMALL bytes of pinned host memory: the small device-to-host
                             * readbacks an op waits for (a copy to pageable memory takes a staging detour) */
+    struct fm_cuda_pending *pending; /* device memory: see fm_cuda_pending */
+    /* Device memory, FM_CUDA_OP_WORDS bytes a queue, zeroed at creation:
+     * state an op keeps on the device from one call to the next (the
+     * power-of-two check's, which resets itself, so no call clears it). */
+    void *op_words;
     /* Queue 1 (internal.h's fm_queue_select): a stream and a workspace of its
      * own, so that its ops never share scratch with queue 0's; `queue` is
      * where ops go now. Made by fm_queue_prepare. */
@@ -26,6 +31,26 @@ typedef struct fm_cuda_state {
 } fm_cuda_state;
 
 #define FM_CUDA_HOST_SMALL 256
+#define FM_CUDA_OP_WORDS 64
+
+/* The calling queue's op words (see fm_cuda_state.op_words). */
+#define fm_cuda_op_words(ctx) ((void *)((char *)fm_cuda(ctx)->op_words + fm_cuda(ctx)->queue * FM_CUDA_OP_WORDS))
+
+/* Bad input that only the device can see, found by an op that does not wait
+ * for the device (the power-of-two check of scaling-aware ops' F32 scales):
+ * the op's kernels write nothing, and the first such finding since the last
+ * fm_context_synchronize waits here; that call reports it (and clears it)
+ * with the sentence the CPU backend returns at once. state: 0 none, 1 being
+ * written, 2 ready. */
+enum { FM_CUDA_PENDING_SCALE_ROW = 1, FM_CUDA_PENDING_SCALE_BLOCK = 2 };
+typedef struct fm_cuda_pending {
+    unsigned int state;
+    unsigned int kind; /* FM_CUDA_PENDING_SCALE_ROW: a = row, b = block;
+                        * FM_CUDA_PENDING_SCALE_BLOCK: a = expert or group, b = stored row, c = block */
+    unsigned int bits; /* the offending F32 scale */
+    unsigned int unused;
+    long long a, b, c;
+} fm_cuda_pending;
 
 static inline fm_cuda_state *fm_cuda(fm_context *ctx) { return (fm_cuda_state *)ctx->be_state; }
 static inline cudaStream_t fm_cuda_stream(fm_context *ctx)

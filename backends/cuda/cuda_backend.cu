@@ -86,10 +86,32 @@ fm_status fm_cuda_scratch(fm_context *ctx, size_t bytes, void **p, int *owned, c
     return FM_OK;
 }
 
+/* Waits for both queues, then reports the device's pending finding (see
+ * fm_cuda_pending) with the sentence the CPU backend gives at once. */
 static fm_status cuda_synchronize(fm_context *ctx)
 {
-    cudaSetDevice(fm_cuda(ctx)->device);
-    return fm_cuda_check(ctx, cudaStreamSynchronize(fm_cuda_stream(ctx)), "fm_context_synchronize");
+    fm_cuda_state *s = fm_cuda(ctx);
+    cudaSetDevice(s->device);
+    cudaError_t err = cudaStreamSynchronize((cudaStream_t)ctx->stream);
+    if (err == cudaSuccess && s->q1_stream)
+        err = cudaStreamSynchronize(s->q1_stream);
+    fm_cuda_pending *h = (fm_cuda_pending *)s->host_small;
+    if (err == cudaSuccess)
+        err = cudaMemcpy(h, s->pending, sizeof *h, cudaMemcpyDeviceToHost);
+    if (err == cudaSuccess && h->state)
+        err = cudaMemset(s->pending, 0, sizeof *h);
+    fm_status st = fm_cuda_check(ctx, err, "fm_context_synchronize");
+    if (st || !h->state)
+        return st;
+    if (h->kind == FM_CUDA_PENDING_SCALE_ROW)
+        return fm_error(ctx, FM_ERR_INVALID_ARG,
+                        "in->scale: the scale of row %lld, block %lld is %g, not a positive power of two; "
+                        "scaling-aware ops need POW2 scales",
+                        h->a, h->b, (double)fm_bits_f32(h->bits));
+    return fm_error(ctx, FM_ERR_INVALID_ARG,
+                    "in->scale: the scale of block (expert %lld, stored row %lld, block %lld) is %g, "
+                    "not a positive power of two; scaling-aware ops need POW2 scales",
+                    h->a, h->b, h->c, (double)fm_bits_f32(h->bits));
 }
 
 static fm_status cuda_set_stream(fm_context *ctx, void *stream)
@@ -114,6 +136,8 @@ static void cuda_destroy(fm_context *ctx)
     }
     if (s->host_small)
         cudaFreeHost(s->host_small);
+    if (s->pending)
+        cudaFree(s->pending); /* op_words lie in the same allocation */
     if (s->lt)
         cublasLtDestroy(s->lt);
     free(s);
@@ -282,6 +306,17 @@ fm_status fm_cuda_backend_init(fm_context *ctx, const fm_context_config *cfg)
         s->host_small = NULL;
         goto fail;
     }
+    /* the pending finding, then the op words of the two queues */
+    step = "cudaMalloc(pending findings, op words)";
+    if ((err = cudaMalloc((void **)&s->pending, 64 + 2 * FM_CUDA_OP_WORDS)) != cudaSuccess) {
+        s->pending = NULL;
+        goto fail;
+    }
+    static_assert(sizeof(fm_cuda_pending) <= 64, "the op words follow the pending finding");
+    s->op_words = (char *)s->pending + 64;
+    step = "cudaMemset(pending findings, op words)";
+    if ((err = cudaMemset(s->pending, 0, 64 + 2 * FM_CUDA_OP_WORDS)) != cudaSuccess)
+        goto fail;
     if (cublasLtCreate(&s->lt) != CUBLAS_STATUS_SUCCESS) {
         s->lt = NULL;
         cuda_destroy(ctx);

@@ -43,11 +43,12 @@
  *     and leave in 16-byte (FP8) or 4-byte (E2M1) coalesced stores.
  *
  * Input F32 scales must be powers of two: a small kernel finds the first
- * block (in the CPU's order) whose scale is not, and the host reads that one
- * result back (one 16-byte copy and a stream synchronisation) before
- * anything is written, so a refused call leaves every output untouched.
- * E8M0 scales need no check, nor do scales the caller vouches for
- * (cfg->trusted_pow2_scales), and then the op never waits for the device.
+ * block (in the CPU's order) whose scale is not, before anything is
+ * written. The host does not wait for it: on a bad scale every later kernel
+ * of the call returns at once (outputs untouched) and the finding waits in
+ * the context until fm_context_synchronize reports it (cuda.h,
+ * fm_cuda_pending). E8M0 scales need no check, nor do scales the caller
+ * vouches for (cfg->trusted_pow2_scales). No call waits for the device.
  *
  * The tile kernel below serves conversions and the transposes with an E2M1
  * side; FP8 -> FP8 transposes take rq_fp8t_kernel (further down), and
@@ -112,7 +113,14 @@ typedef struct rqparams {
     const int32_t *rmap;
     uint32_t nslots;
     fm_fastdiv kdiv;
+    /* The power-of-two check's verdict (rqcheck.verdict), or NULL: nonzero
+     * when it found a bad scale (rq_refused). */
+    const unsigned long long *verdict;
 } rqparams;
+
+/* A call whose check found a bad scale writes nothing: each kernel of the
+ * call returns at once (stream order makes the check's verdict visible). */
+FM_DI bool rq_refused(const rqparams &p) { return p.verdict && *p.verdict != 0ull; }
 
 /* ---- small device helpers ------------------------------------------------- */
 
@@ -562,7 +570,7 @@ __global__ void __launch_bounds__(RQTHREADS, 2) requant_tile_kernel(const rqpara
     const uint32_t lane4 = (uint32_t)l * 4u;
 
     uint32_t t = blockIdx.x;
-    if (t >= p.ntiles)
+    if (t >= p.ntiles || rq_refused(p))
         return;
     for (int i = tid; i < NMAG * 32; i += RQTHREADS)
         lut[i] = rq_code_key<TI, TO>(i >> 5, p.rule);
@@ -1119,7 +1127,7 @@ __global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqp
     const int rl = rg * 8, cl = w * 16 + cg * 8;
 
     uint32_t t = blockIdx.x;
-    if (t >= p.ntiles)
+    if (t >= p.ntiles || rq_refused(p))
         return;
     uint32_t raw[2];
     int ok;
@@ -1652,6 +1660,8 @@ __global__ void __launch_bounds__(RQS_THREADS) rq_rows_kernel(const rqparams p)
     constexpr int NW = X ? 4 : 8;                /* input words a segment */
     __shared__ uint4 xs[X ? 1 : RQS_THREADS / 32][64]; /* FP8 input: rq_rows_load's chunks, by warp */
     __shared__ int lut[128];
+    if (rq_refused(p))
+        return;
     for (int i = threadIdx.x; i < 128; i += RQS_THREADS)
         lut[i] = X ? rq_code_key<TI, TO>((i >> 2) & 7, p.rule) : rq_code_key<TI, TO>(i, p.rule);
     __syncthreads();
@@ -1738,8 +1748,11 @@ __global__ void __launch_bounds__(256) rq_grid128_kernel(const uint32_t *in, uin
 /* Every matrix's scale array has `per` entries of an R x C matrix, or (grp)
  * group g's has those of an R x M_g one from entry grp[g].s0 on. */
 __global__ void __launch_bounds__(256) rq_pad_kernel(void *scale, int mode, int e8, int64_t R, int64_t C,
-                                                     int64_t per, int64_t n, const rqgrp *grp, int64_t groups)
+                                                     int64_t per, int64_t n, const rqgrp *grp, int64_t groups,
+                                                     const unsigned long long *verdict)
 {
+    if (verdict && *verdict)
+        return;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
         int64_t r, c, k = i % (per > 0 ? per : 1), cols = C;
         if (grp) {
@@ -1765,12 +1778,16 @@ __global__ void __launch_bounds__(256) rq_pad_kernel(void *scale, int mode, int 
 
 /* ---- the power-of-two check of F32 input scales ---------------------------- */
 
+/* The check's device state, one per queue in the context's op words: the
+ * kernel's last CTA hands first_inv on to verdict (what the call's later
+ * kernels read) and leaves first_inv and done zero for the next call, so no
+ * call clears it first. */
 typedef struct rqcheck {
     unsigned long long first_inv; /* ~index of the first bad block, (e * R + r) * nbi + cb; 0: none */
-    uint32_t bits;                /* its scale */
+    unsigned long long verdict;   /* this call's first_inv */
     uint32_t done;                /* CTAs finished */
 } rqcheck;
-static_assert(sizeof(rqcheck) <= FM_CUDA_HOST_SMALL, "the check's verdict is read back into host_small");
+static_assert(sizeof(rqcheck) <= FM_CUDA_OP_WORDS, "the check's state lives in a queue's op words");
 
 FM_DI int64_t rq_check_off(const rqparams &p, int64_t i)
 {
@@ -1781,28 +1798,78 @@ FM_DI int64_t rq_check_off(const rqparams &p, int64_t i)
                                        cb << p.bi_shift);
 }
 
-/* The minimum index of a bad block (as the maximum of its complement, so a
- * zeroed result means none: one memset), then the last CTA to finish reads
- * that block's scale for the message. */
-__global__ void __launch_bounds__(256) rq_check_kernel(const rqparams p, int64_t n, rqcheck *res)
+FM_DI void rq_check_one(uint32_t bits, int64_t i, rqcheck *res)
+{
+    int pp = 0;
+    if (!fm_f32_pow2_exp(__uint_as_float(bits), &pp))
+        atomicMax(&res->first_inv, ~(unsigned long long)i);
+}
+
+/* The minimum index of a bad block, as the maximum of its complement (0:
+ * none). The last CTA to finish settles the call: a bad block goes to the
+ * context's pending finding (named as the CPU names it: row and block of
+ * the token rows, or expert / group, stored row and block) and every later
+ * kernel of the call sees the verdict and writes nothing; otherwise it
+ * zeroes nonfinite_blocks, the call's first write. Compact scales are read
+ * 16 bytes a thread. */
+__global__ void __launch_bounds__(256) rq_check_kernel(const rqparams p, int64_t n, int token_rows, rqcheck *res,
+                                                       fm_cuda_pending *pend)
 {
     __shared__ int last;
     const uint32_t *s = (const uint32_t *)p.in_scale;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        int pp = 0;
-        if (!fm_f32_pow2_exp(__uint_as_float(s[rq_check_off(p, i)]), &pp))
-            atomicMax(&res->first_inv, ~(unsigned long long)i);
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x, i0 = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+    int64_t tail = 0;
+    if (p.in_layout == FM_SCALE_LAYOUT_COMPACT && (uintptr_t)s % 16 == 0) {
+        for (int64_t q = i0; q < n / 4; q += stride) {
+            const uint4 v = __ldcs((const uint4 *)s + q);
+            rq_check_one(v.x, 4 * q, res);
+            rq_check_one(v.y, 4 * q + 1, res);
+            rq_check_one(v.z, 4 * q + 2, res);
+            rq_check_one(v.w, 4 * q + 3, res);
+        }
+        tail = n / 4 * 4;
     }
+    for (int64_t i = tail + i0; i < n; i += stride)
+        rq_check_one(s[rq_check_off(p, i)], i, res);
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0)
         last = atomicAdd(&res->done, 1u) == gridDim.x - 1;
     __syncthreads();
-    if (last && threadIdx.x == 0) {
-        const unsigned long long f = atomicMax(&res->first_inv, 0ull);
-        if (f)
-            res->bits = s[rq_check_off(p, (int64_t)~f)];
+    if (!last || threadIdx.x != 0)
+        return;
+    const unsigned long long f = atomicExch(&res->first_inv, 0ull);
+    res->verdict = f;
+    res->done = 0;
+    if (!f) {
+        if (p.nonfinite)
+            *p.nonfinite = 0;
+        return;
     }
+    if (atomicCAS(&pend->state, 0u, 1u) != 0u)
+        return; /* an earlier finding waits to be reported */
+    const int64_t i = (int64_t)~f, per = p.R * p.nbi;
+    pend->bits = s[rq_check_off(p, i)];
+    if (token_rows) {
+        pend->kind = FM_CUDA_PENDING_SCALE_ROW;
+        pend->a = i / p.nbi;
+        pend->b = i % p.nbi;
+    } else {
+        int64_t e = i / per, r = (i % per) / p.nbi;
+        /* Grouped: the group holding stored row r, and the row within it. */
+        for (int64_t g = 0; p.grp && g < p.groups; g++)
+            if (r < p.grp[g + 1].row0) {
+                e = g;
+                r -= p.grp[g].row0;
+                break;
+            }
+        pend->kind = FM_CUDA_PENDING_SCALE_BLOCK;
+        pend->a = e;
+        pend->b = r;
+        pend->c = i % p.nbi;
+    }
+    __threadfence();
+    atomicExch(&pend->state, 2u);
 }
 
 /* ---- host side -------------------------------------------------------------- */
@@ -2135,64 +2202,48 @@ static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_
     const char *what = op;
     void *buf = NULL;
     int owned = 0;
-    /* Scratch: the check's result, then the group table. */
-    const size_t check_bytes = 64, table_bytes = sp ? (size_t)(sp->groups + 1) * sizeof(rqgrp) : 0;
+    /* Scratch: the group table. */
+    const size_t table_bytes = sp ? (size_t)(sp->groups + 1) * sizeof(rqgrp) : 0;
     const int check = !exact128 && !p.in_e8 && nblocks > 0 && !cfg->trusted_pow2_scales;
-    if (check || sp) {
-        st = fm_cuda_scratch(ctx, check_bytes + table_bytes, &buf, &owned, op);
+    if (sp) {
+        st = fm_cuda_scratch(ctx, table_bytes, &buf, &owned, op);
         if (st) {
             fm_cuda_leave(ctx, &guard, cudaSuccess, NULL);
             return st;
         }
     }
 
-    /* Every input F32 scale is checked before anything is written. */
-    if (check) {
-        rqcheck &h = *(rqcheck *)fm_cuda(ctx)->host_small; /* pinned: the copy goes straight there */
-        what = "cudaMemsetAsync(check)";
-        if ((err = cudaMemsetAsync(buf, 0, sizeof(rqcheck), s)) != cudaSuccess)
+    /* Grouped: the table first (scratch only), which the check's message and
+     * every later kernel read. */
+    if (sp) {
+        rqgrp *table = (rqgrp *)buf;
+        what = "group table: kernel launch";
+        if ((err = rq_group_table(sp, out, C, table, s)) != cudaSuccess)
             goto out;
-        what = "power-of-two scale check: kernel launch";
-        rq_check_kernel<<<rq_grid(fm_cdiv(nblocks, 256), (int64_t)sms * 8), 256, 0, s>>>(p, nblocks, (rqcheck *)buf);
-        if ((err = cudaGetLastError()) != cudaSuccess)
-            goto out;
-        what = "power-of-two scale check: cudaMemcpyAsync";
-        if ((err = cudaMemcpyAsync(&h, buf, sizeof h, cudaMemcpyDeviceToHost, s)) != cudaSuccess)
-            goto out;
-        what = "power-of-two scale check: cudaStreamSynchronize";
-        if ((err = cudaStreamSynchronize(s)) != cudaSuccess)
-            goto out;
-        if (h.first_inv) {
-            if (owned && (err = cudaFreeAsync(buf, s)) != cudaSuccess) {
-                owned = 0;
-                goto out;
-            }
-            fm_cuda_leave(ctx, &guard, cudaSuccess, NULL);
-            const long long i = (long long)~h.first_inv, per = (long long)(R * p.nbi);
-            if (rows)
-                return fm_error(ctx, FM_ERR_INVALID_ARG,
-                                "in->scale: the scale of row %lld, block %lld is %g, not a positive power of two; "
-                                "scaling-aware ops need POW2 scales",
-                                i / (long long)p.nbi, i % (long long)p.nbi, (double)fm_bits_f32(h.bits));
-            long long e = i / per, r = (i % per) / (long long)p.nbi;
-            /* Grouped: name the group and its row, as the CPU does. */
-            for (int64_t g = 0; sp && g < sp->groups; g++) {
-                if (r < sp->host[g]) {
-                    e = g;
-                    break;
-                }
-                r -= sp->host[g];
-            }
-            return fm_error(ctx, FM_ERR_INVALID_ARG,
-                            "in->scale: the scale of block (expert %lld, stored row %lld, block %lld) is %g, "
-                            "not a positive power of two; scaling-aware ops need POW2 scales",
-                            e, r, i % (long long)p.nbi, (double)fm_bits_f32(h.bits));
-        }
+        p.grp = table;
     }
 
-    what = "cudaMemsetAsync(cfg->nonfinite_blocks)";
-    if (cfg->nonfinite_blocks && (err = cudaMemsetAsync(cfg->nonfinite_blocks, 0, sizeof(int64_t), s)) != cudaSuccess)
-        goto out;
+    /* Every input F32 scale is checked on the device before anything is
+     * written, without waiting for it: a bad one makes the call's kernels
+     * write nothing and waits in the context's pending finding, which the
+     * next fm_context_synchronize reports (the op stays asynchronous, as the
+     * trusted call: a host synchronisation here cost 25 us of a 235 us
+     * transpose, S17-10). The check also zeroes nonfinite_blocks when it
+     * passes. */
+    if (check) {
+        rqcheck *chk = (rqcheck *)fm_cuda_op_words(ctx);
+        what = "power-of-two scale check: kernel launch";
+        rq_check_kernel<<<rq_grid(fm_cdiv(nblocks, 1024), (int64_t)sms * 4), 256, 0, s>>>(
+            p, nblocks, rows != NULL, chk, fm_cuda(ctx)->pending);
+        if ((err = cudaGetLastError()) != cudaSuccess)
+            goto out;
+        p.verdict = &chk->verdict;
+    } else {
+        what = "cudaMemsetAsync(cfg->nonfinite_blocks)";
+        if (cfg->nonfinite_blocks &&
+            (err = cudaMemsetAsync(cfg->nonfinite_blocks, 0, sizeof(int64_t), s)) != cudaSuccess)
+            goto out;
+    }
 
     if (exact128) {
         const int64_t n = E * p.sout;
@@ -2212,18 +2263,10 @@ static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_
         goto out;
     }
 
-    if (sp) {
-        rqgrp *table = (rqgrp *)((char *)buf + check_bytes);
-        what = "group table: kernel launch";
-        if ((err = rq_group_table(sp, out, C, table, s)) != cudaSuccess)
-            goto out;
-        p.grp = table;
-    }
-
     if (out->scale_layout == FM_SCALE_LAYOUT_GEMM && npad > 0) {
         what = "GEMM-layout scale padding: kernel launch";
         rq_pad_kernel<<<rq_grid(fm_cdiv(nscales_out, 256), 4096), 256, 0, s>>>(
-            out->scale, out->scale_mode, p.out_e8, p.Ro, p.Co, p.sout, nscales_out, p.grp, p.groups);
+            out->scale, out->scale_mode, p.out_e8, p.Ro, p.Co, p.sout, nscales_out, p.grp, p.groups, p.verdict);
         if ((err = cudaGetLastError()) != cudaSuccess)
             goto out;
     }

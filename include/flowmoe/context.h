@@ -44,7 +44,11 @@ const char *fm_last_error(const fm_context *ctx);
  * legacy default stream). FM_ERR_UNSUPPORTED on the CPU backend. */
 fm_status fm_context_set_stream(fm_context *ctx, void *stream);
 void *fm_context_stream(const fm_context *ctx);
-/* Waits for every op queued on the context's stream (no-op on CPU). */
+/* Waits for every op queued on the context's stream (no-op on CPU). Then
+ * reports bad input that only the device could see and that an op which
+ * does not wait for the device left pending (FM_ERR_INVALID_ARG and the
+ * op's sentence; the first since the last call): on CUDA, a scaling-aware
+ * op's F32 scale that is not a power of two (transpose.h). */
 fm_status fm_context_synchronize(fm_context *ctx);
 
 /* Memory in the context's own device: malloc on the CPU backend, cudaMalloc

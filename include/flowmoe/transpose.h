@@ -34,9 +34,9 @@ typedef struct fm_requant_config {
     /* Nonzero: the caller vouches that every F32 input scale is a power of
      * two (or NaN), as flowmoe's quantizers with a POW2 rule and its fused
      * FP8 ops write them. The CUDA backend then skips its check of the
-     * scales, and with it the wait for the device that the check costs (a
-     * host synchronisation per call). A scale that breaks the promise is
-     * read as 1 there; the CPU backend checks regardless and refuses it. */
+     * scales (a small kernel before the op's own). A scale that breaks the
+     * promise is read as 1 there; the CPU backend checks regardless and
+     * refuses it. */
     int trusted_pow2_scales;
 } fm_requant_config;
 
@@ -56,7 +56,12 @@ typedef struct fm_requant_config {
  * counts once in nonfinite_blocks. This is the operand the k-grouped weight
  * gradient takes as x for cuBLASLt's faster 1x128 x 128x128 product.
  * An input F32 scale that is not a power of two (or is 0, negative or Inf) is
- * rejected with FM_ERR_INVALID_ARG. */
+ * rejected with FM_ERR_INVALID_ARG, and nothing is written. The CPU backend
+ * returns that at once. The CUDA backend checks the scales on the device
+ * and never waits for it: the call returns FM_OK, its kernels write
+ * nothing, and the next fm_context_synchronize returns FM_ERR_INVALID_ARG
+ * with the same sentence (the first such finding since the last
+ * synchronize). The same holds for every op of this header. */
 fm_status fm_transpose_scaled(fm_context *ctx, const fm_requant_config *cfg, const fm_tensor *in, fm_tensor *out);
 
 /* Direct conversion in the same layout: FP8 (BLOCK_1x128 or MX32, power-of-two

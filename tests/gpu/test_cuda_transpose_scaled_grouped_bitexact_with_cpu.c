@@ -83,13 +83,23 @@ static gout gout_new(fmt fo, int64_t rows, int64_t N, fm_scale_layout sl, const 
 
 /* After both backends ran a case: the same status, then the same bytes
  * (codes, scales, nonfinite count), or for a refusal the same sentence and
- * the device outputs untouched. gmsg was kept before synchronising, which
- * clears the context's last error. */
+ * the device outputs untouched. A bad scale reaches the CUDA caller at the
+ * next synchronize (transpose.h): the call's status when it failed, else
+ * the synchronize's. gmsg was kept before synchronising, which clears the
+ * context's last error. */
 static void same_outcome(fm_context *gpu, const char *cs, fm_status stc, const char *cmsg, fm_status stg,
                          const char *gmsg, const void *hod, const void *od, size_t nod, const void *hos,
                          const void *os, size_t nos, size_t guard, const int64_t *hbad, const void *dbad)
 {
-    GT_CHECK(fm_context_synchronize(gpu) == FM_OK, "%s: synchronize: %s", cs, fm_last_error(gpu));
+    const fm_status sts = fm_context_synchronize(gpu);
+    char smsg[768];
+    snprintf(smsg, sizeof smsg, "%s", fm_last_error(gpu));
+    if (stg == FM_OK) {
+        stg = sts;
+        gmsg = smsg;
+    } else {
+        GT_CHECK(sts == FM_OK, "%s: synchronize after a refused call: %s", cs, smsg);
+    }
     GT_CHECK(stc == stg, "%s: cpu %s (%s), gpu %s (%s)", cs, fm_status_name(stc), cmsg, fm_status_name(stg), gmsg);
     if (stc == FM_OK && stg == FM_OK) {
         same_dev(hod, od, nod, guard, "codes", cs);
