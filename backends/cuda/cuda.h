@@ -42,15 +42,33 @@ typedef struct fm_cuda_state {
  * fm_context_synchronize waits here; that call reports it (and clears it)
  * with the sentence the CPU backend returns at once. state: 0 none, 1 being
  * written, 2 ready. */
-enum { FM_CUDA_PENDING_SCALE_ROW = 1, FM_CUDA_PENDING_SCALE_BLOCK = 2 };
+enum {
+    FM_CUDA_PENDING_SCALE_ROW = 1,   /* a = row, b = block, bits = the scale */
+    FM_CUDA_PENDING_SCALE_BLOCK = 2, /* a = expert or group, b = stored row, c = block, bits = the scale */
+    FM_CUDA_PENDING_BAD_ID = 3,      /* fm_moe_permute: entry [a, b] is (int)bits, outside [0, E = c), not -1 */
+    FM_CUDA_PENDING_FEW_ROWS = 4     /* fm_moe_permute: out has a rows, the routing needs b (pad c, bound d) */
+};
 typedef struct fm_cuda_pending {
     unsigned int state;
-    unsigned int kind; /* FM_CUDA_PENDING_SCALE_ROW: a = row, b = block;
-                        * FM_CUDA_PENDING_SCALE_BLOCK: a = expert or group, b = stored row, c = block */
-    unsigned int bits; /* the offending F32 scale */
+    unsigned int kind;
+    unsigned int bits;
     unsigned int unused;
-    long long a, b, c;
+    long long a, b, c, d;
 } fm_cuda_pending;
+
+#ifdef __CUDACC__
+/* A kernel's finding: claim the record (false: an earlier one waits to be
+ * reported, and this one is dropped), fill it, post it. */
+static __device__ __forceinline__ bool fm_pending_claim(fm_cuda_pending *p)
+{
+    return atomicCAS(&p->state, 0u, 1u) == 0u;
+}
+static __device__ __forceinline__ void fm_pending_post(fm_cuda_pending *p)
+{
+    __threadfence();
+    atomicExch(&p->state, 2u);
+}
+#endif
 
 static inline fm_cuda_state *fm_cuda(fm_context *ctx) { return (fm_cuda_state *)ctx->be_state; }
 static inline cudaStream_t fm_cuda_stream(fm_context *ctx)
@@ -68,6 +86,10 @@ typedef struct fm_cuda_device_guard {
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* A finding (state 2) as FM_ERR_INVALID_ARG and its op's sentence; FM_OK
+ * for none (state 0). */
+fm_status fm_cuda_pending_report(fm_context *ctx, const fm_cuda_pending *h);
 
 /* Turn a CUDA error into a status and a sentence naming what failed. */
 fm_status fm_cuda_check(fm_context *ctx, cudaError_t err, const char *what);

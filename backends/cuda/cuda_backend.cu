@@ -86,8 +86,36 @@ fm_status fm_cuda_scratch(fm_context *ctx, size_t bytes, void **p, int *owned, c
     return FM_OK;
 }
 
+fm_status fm_cuda_pending_report(fm_context *ctx, const fm_cuda_pending *h)
+{
+    if (!h->state)
+        return FM_OK;
+    switch (h->kind) {
+    case FM_CUDA_PENDING_BAD_ID:
+        return fm_error(ctx, FM_ERR_INVALID_ARG,
+                        "expert_ids: entry [%lld, %lld] is %d, outside [0, E = %lld) and not -1 (no expert) "
+                        "(E = splits' columns)",
+                        h->a, h->b, (int)h->bits, h->c);
+    case FM_CUDA_PENDING_FEW_ROWS:
+        return fm_error(ctx, FM_ERR_INVALID_ARG,
+                        "out: has %lld rows but this routing needs %lld (sum over experts of their slot count "
+                        "rounded up to pad_multiple %lld); R = T*k + E*(pad-1) = %lld always suffices",
+                        h->a, h->b, h->c, h->d);
+    case FM_CUDA_PENDING_SCALE_ROW:
+        return fm_error(ctx, FM_ERR_INVALID_ARG,
+                        "in->scale: the scale of row %lld, block %lld is %g, not a positive power of two; "
+                        "scaling-aware ops need POW2 scales",
+                        h->a, h->b, (double)fm_bits_f32(h->bits));
+    default:
+        return fm_error(ctx, FM_ERR_INVALID_ARG,
+                        "in->scale: the scale of block (expert %lld, stored row %lld, block %lld) is %g, "
+                        "not a positive power of two; scaling-aware ops need POW2 scales",
+                        h->a, h->b, h->c, (double)fm_bits_f32(h->bits));
+    }
+}
+
 /* Waits for both queues, then reports the device's pending finding (see
- * fm_cuda_pending) with the sentence the CPU backend gives at once. */
+ * fm_cuda_pending) and clears it. */
 static fm_status cuda_synchronize(fm_context *ctx)
 {
     fm_cuda_state *s = fm_cuda(ctx);
@@ -101,17 +129,7 @@ static fm_status cuda_synchronize(fm_context *ctx)
     if (err == cudaSuccess && h->state)
         err = cudaMemset(s->pending, 0, sizeof *h);
     fm_status st = fm_cuda_check(ctx, err, "fm_context_synchronize");
-    if (st || !h->state)
-        return st;
-    if (h->kind == FM_CUDA_PENDING_SCALE_ROW)
-        return fm_error(ctx, FM_ERR_INVALID_ARG,
-                        "in->scale: the scale of row %lld, block %lld is %g, not a positive power of two; "
-                        "scaling-aware ops need POW2 scales",
-                        h->a, h->b, (double)fm_bits_f32(h->bits));
-    return fm_error(ctx, FM_ERR_INVALID_ARG,
-                    "in->scale: the scale of block (expert %lld, stored row %lld, block %lld) is %g, "
-                    "not a positive power of two; scaling-aware ops need POW2 scales",
-                    h->a, h->b, h->c, (double)fm_bits_f32(h->bits));
+    return st ? st : fm_cuda_pending_report(ctx, h);
 }
 
 static fm_status cuda_set_stream(fm_context *ctx, void *stream)

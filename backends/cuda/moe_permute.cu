@@ -24,7 +24,8 @@
  * Every entry of row_map and slot_rows is written by steps 3 and 5, so no
  * memset runs before them. A flagged call is reported as
  * FM_ERR_INVALID_ARG when host_splits makes it synchronise; otherwise its
- * outputs hold zero rows and row_map -1. */
+ * outputs hold zero rows and row_map -1, and the finding waits in the
+ * context for fm_context_synchronize (cuda.h, fm_cuda_pending). */
 #include <cub/block/block_scan.cuh>
 
 #include "cuda.h"
@@ -41,7 +42,8 @@ static int64_t perm_chunk(int64_t E) { return E <= 256 ? 256 : 2048; }
 static int perm_warps(int64_t E) { return E * 4 * 8 <= PERM_SMEM ? 8 : 1; }
 
 __global__ void perm_hist_kernel(const int32_t *__restrict__ ids, int64_t n, int E, int64_t ch, int64_t nchunk,
-                                 uint32_t *__restrict__ hist, unsigned long long *cnt, int *flag)
+                                 uint32_t *__restrict__ hist, unsigned long long *cnt, int *flag,
+                                 uint32_t *first_bad)
 {
     extern __shared__ uint32_t perm_sh[];
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
@@ -58,8 +60,10 @@ __global__ void perm_hist_kernel(const int32_t *__restrict__ ids, int64_t n, int
         const int e = ids[s];
         if (e >= 0 && e < E)
             atomicAdd(&h[e], 1u);
-        else
-            bad |= e != -1;
+        else if (e != -1) {
+            bad = 1;
+            atomicMax(first_bad, ~(uint32_t)s); /* the first bad slot, as its complement (0: none) */
+        }
     }
     if (__any_sync(0xFFFFFFFFu, bad) && lane == 0)
         atomicOr(flag, PERM_BAD_ID);
@@ -92,7 +96,9 @@ typedef cub::BlockScan<uint32_t, PERM_SCAN_THREADS, cub::BLOCK_SCAN_WARP_SCANS> 
 
 __global__ void __launch_bounds__(PERM_SCAN_THREADS, 1)
     perm_offsets_kernel(const unsigned long long *cnt, uint32_t *off, uint32_t *padbeg, int E, int64_t pad, int64_t R,
-                        int64_t *splits, int *flag, int64_t *need, uint32_t *hist, int64_t nchunk)
+                        int64_t *splits, int *flag, int64_t *need, uint32_t *hist, int64_t nchunk,
+                        const int32_t *ids, int64_t k, int64_t bound, const uint32_t *first_bad,
+                        fm_cuda_pending *fnd, fm_cuda_pending *pend)
 {
     __shared__ typename perm_block_scan::TempStorage tmp;
     const uint32_t per = (uint32_t)nchunk + 1, N = (uint32_t)E * per, pd = (uint32_t)pad;
@@ -150,6 +156,31 @@ __global__ void __launch_bounds__(PERM_SCAN_THREADS, 1)
         *need = carry;
         if (carry > R)
             atomicOr(flag, PERM_TOO_FEW_ROWS);
+        /* The finding, named as the CPU names it (the first bad slot before
+         * the row count): the host reads it back when the call waits;
+         * otherwise it waits in the context for fm_context_synchronize. */
+        const int f = *flag;
+        if (f) {
+            fm_cuda_pending v = {2u, FM_CUDA_PENDING_FEW_ROWS, 0u, 0u, R, (long long)carry, pad, bound};
+            if (f & PERM_BAD_ID) {
+                const uint32_t i = ~*first_bad;
+                v.kind = FM_CUDA_PENDING_BAD_ID;
+                v.a = (long long)(i / (uint32_t)k);
+                v.b = (long long)(i % (uint32_t)k);
+                v.bits = (unsigned int)ids[i];
+                v.c = E;
+            }
+            *fnd = v;
+            if (pend && fm_pending_claim(pend)) {
+                pend->kind = v.kind;
+                pend->bits = v.bits;
+                pend->a = v.a;
+                pend->b = v.b;
+                pend->c = v.c;
+                pend->d = v.d;
+                fm_pending_post(pend);
+            }
+        }
     }
 }
 
@@ -372,10 +403,11 @@ extern "C" fm_status fm_cuda_moe_permute(fm_context *ctx, const fm_permute_confi
                      ? 0
                      : fm_cdiv(H, fm_mode_block_cols(x->scale_mode)) * (fm_dtype_bits(x->scale_dtype) / 8);
     cudaStream_t s = fm_cuda_stream(ctx);
-    /* scratch: E totals, the needed row count, the flag, E first padding
-     * rows and E offsets (32-bit), then the per-chunk counts / first rows,
-     * [E][nchunk + 1] */
-    const size_t head = (size_t)E * 16 + 16;
+    /* scratch: E totals, the needed row count, the flag, the first bad slot
+     * (complemented), E first padding rows and E offsets (32-bit), the
+     * finding (64 bytes), then the per-chunk counts / first rows,
+     * [E][nchunk + 1]; the head is zeroed */
+    const size_t head = (size_t)E * 16 + 16 + 64;
     size_t bytes = head + (size_t)(nchunk + 1) * (size_t)E * 4;
     void *scr;
     int owned;
@@ -386,7 +418,10 @@ extern "C" fm_status fm_cuda_moe_permute(fm_context *ctx, const fm_permute_confi
     unsigned long long *cnt = (unsigned long long *)scr;
     int64_t *need = (int64_t *)((uint8_t *)scr + E * 8);
     int *flag = (int *)(need + 1);
+    uint32_t *first_bad = (uint32_t *)(flag + 1);
     uint32_t *padbeg = (uint32_t *)((uint8_t *)scr + E * 8 + 16), *off = padbeg + E;
+    fm_cuda_pending *fnd = (fm_cuda_pending *)(off + E);
+    static_assert(sizeof(fm_cuda_pending) <= 64, "the finding's place in the scratch head");
     uint32_t *hist = (uint32_t *)((uint8_t *)scr + head);
     cudaError_t err = cudaMemsetAsync(scr, 0, head, s);
     if (err == cudaSuccess && shm > PERM_SMEM) {
@@ -398,9 +433,12 @@ extern "C" fm_status fm_cuda_moe_permute(fm_context *ctx, const fm_permute_confi
         const unsigned cb = (unsigned)fm_cdiv(nchunk, wpb);
         if (n > 0)
             perm_hist_kernel<<<cb, 32 * wpb, shm, s>>>((const int32_t *)expert_ids->data, n, (int)E, ch, nchunk,
-                                                       hist, cnt, flag);
+                                                       hist, cnt, flag, first_bad);
         perm_offsets_kernel<<<1, PERM_SCAN_THREADS, 0, s>>>(cnt, off, padbeg, (int)E, pad, R,
-                                                            (int64_t *)splits->data, flag, need, hist, nchunk);
+                                                            (int64_t *)splits->data, flag, need, hist, nchunk,
+                                                            (const int32_t *)expert_ids->data, k,
+                                                            n + E * (pad - 1), first_bad, fnd,
+                                                            host_splits ? NULL : fm_cuda(ctx)->pending);
         if (n > 0)
             perm_place_kernel<<<cb, 32 * wpb, shm, s>>>((const int32_t *)expert_ids->data, n, (int)E, ch, nchunk,
                                                         hist, flag, (int32_t *)slot_rows->data, (int32_t *)row_map->data);
@@ -434,22 +472,16 @@ extern "C" fm_status fm_cuda_moe_permute(fm_context *ctx, const fm_permute_confi
             perm_move_kernel<<<(unsigned)(p.T + p.fill_blocks), PERM_MOVE_THREADS, 0, s>>>(p);
         err = cudaGetLastError();
     }
-    /* the row need and the flag come back through the context's pinned buffer */
-    int64_t *pneed = (int64_t *)fm_cuda(ctx)->host_small;
-    int32_t *pflag = (int32_t *)(pneed + 1);
-    *pneed = 0;
-    *pflag = 0;
+    /* the finding comes back through the context's pinned buffer */
+    fm_cuda_pending *h = (fm_cuda_pending *)fm_cuda(ctx)->host_small;
+    h->state = 0;
     if (err == cudaSuccess && host_splits) {
         err = cudaMemcpyAsync(host_splits, splits->data, (size_t)E * 8, cudaMemcpyDeviceToHost, s);
         if (err == cudaSuccess)
-            err = cudaMemcpyAsync(pneed, need, 8, cudaMemcpyDeviceToHost, s);
-        if (err == cudaSuccess)
-            err = cudaMemcpyAsync(pflag, flag, 4, cudaMemcpyDeviceToHost, s);
+            err = cudaMemcpyAsync(h, fnd, sizeof *h, cudaMemcpyDeviceToHost, s);
         if (err == cudaSuccess)
             err = cudaStreamSynchronize(s);
     }
-    const int64_t hneed = *pneed;
-    const int hflag = *pflag;
     if (owned) {
         cudaError_t e2 = cudaFreeAsync(scr, s);
         if (err == cudaSuccess)
@@ -457,13 +489,5 @@ extern "C" fm_status fm_cuda_moe_permute(fm_context *ctx, const fm_permute_confi
     }
     if ((st = fm_cuda_leave(ctx, &g, err, "fm_moe_permute")))
         return st;
-    if (hflag & PERM_BAD_ID)
-        return fm_error(ctx, FM_ERR_INVALID_ARG, "expert_ids: holds an id outside [0, E = %lld) that is not -1 (E = splits' columns)",
-                        (long long)E);
-    if (hflag & PERM_TOO_FEW_ROWS)
-        return fm_error(ctx, FM_ERR_INVALID_ARG,
-                        "out: has %lld rows but this routing needs %lld (sum over experts of their slot count rounded "
-                        "up to pad_multiple %lld)",
-                        (long long)R, (long long)hneed, (long long)pad);
-    return FM_OK;
+    return fm_cuda_pending_report(ctx, h);
 }

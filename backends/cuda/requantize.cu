@@ -1846,8 +1846,8 @@ __global__ void __launch_bounds__(256) rq_check_kernel(const rqparams p, int64_t
             *p.nonfinite = 0;
         return;
     }
-    if (atomicCAS(&pend->state, 0u, 1u) != 0u)
-        return; /* an earlier finding waits to be reported */
+    if (!fm_pending_claim(pend))
+        return;
     const int64_t i = (int64_t)~f, per = p.R * p.nbi;
     pend->bits = s[rq_check_off(p, i)];
     if (token_rows) {
@@ -1868,8 +1868,7 @@ __global__ void __launch_bounds__(256) rq_check_kernel(const rqparams p, int64_t
         pend->b = r;
         pend->c = i % p.nbi;
     }
-    __threadfence();
-    atomicExch(&pend->state, 2u);
+    fm_pending_post(pend);
 }
 
 /* ---- host side -------------------------------------------------------------- */

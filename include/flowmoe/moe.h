@@ -88,8 +88,11 @@ typedef struct fm_permute_config {
  * or -1: a slot with no expert here (what fm_ep_dispatch writes for the
  * choices that live on other ranks). A -1 slot takes no row, its slot_rows
  * entry is -1, and fm_moe_unpermute and its backward skip it. Any other id
- * out of range is reported as FM_ERR_INVALID_ARG (on CUDA: detected on the
- * device, reported by the next call that synchronises). */
+ * out of range is reported as FM_ERR_INVALID_ARG, as is an out with fewer
+ * rows than the routing needs. On CUDA both are found on the device: the
+ * call reports them itself when host_splits makes it wait; otherwise it
+ * returns FM_OK, its outputs hold zero rows (row_map and slot_rows -1), and
+ * the next fm_context_synchronize reports the finding. */
 fm_status fm_moe_permute(fm_context *ctx, const fm_permute_config *cfg, const fm_tensor *x,
                          const fm_tensor *expert_ids, const fm_tensor *probs, fm_tensor *out, fm_tensor *row_map,
                          fm_tensor *slot_rows, fm_tensor *splits, fm_tensor *out_probs, int64_t *host_splits);

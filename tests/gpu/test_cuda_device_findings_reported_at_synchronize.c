@@ -1,0 +1,224 @@
+/* Bad input that only the device can see, in a CUDA call that does not wait
+ * for the device, is reported by the next fm_context_synchronize with the
+ * sentence the CPU backend returns at once, and only once:
+ *  - fm_moe_permute with an expert id out of range, and with too few out
+ *    rows, without host_splits: the call returns FM_OK and its outputs hold
+ *    no placed slot (slot_rows and row_map -1); with host_splits the call
+ *    itself reports, and nothing is left pending;
+ *  - fm_transpose_scaled with an F32 scale that is not a power of two: the
+ *    call returns FM_OK and writes nothing;
+ *  - of two findings before a synchronize, the first is reported;
+ *  - a valid call after them gives the CPU's result. */
+#include "gpu_test.h"
+
+static const int64_t T = 37, H = 64, K = 2, E = 5, PAD = 16;
+
+static void *dalloc(size_t n, int fill)
+{
+    void *p;
+    GT_CUDA(cudaMalloc(&p, n));
+    GT_CUDA(cudaMemset(p, fill, n));
+    return p;
+}
+
+static void *dcopy(const void *h, size_t n)
+{
+    void *p = dalloc(n, 0);
+    GT_CUDA(cudaMemcpy(p, h, n, cudaMemcpyHostToDevice));
+    return p;
+}
+
+/* Every I32 of a device array equals v. */
+static int all_i32(const void *d, int64_t n, int32_t v)
+{
+    int32_t *h = malloc((size_t)n * 4);
+    GT_CUDA(cudaMemcpy(h, d, (size_t)n * 4, cudaMemcpyDeviceToHost));
+    int ok = 1;
+    for (int64_t i = 0; i < n; i++)
+        ok &= h[i] == v;
+    free(h);
+    return ok;
+}
+
+static int same_dev_host(const void *d, const void *h, size_t n)
+{
+    void *g = malloc(n);
+    GT_CUDA(cudaMemcpy(g, d, n, cudaMemcpyDeviceToHost));
+    int ok = !memcmp(g, h, n);
+    free(g);
+    return ok;
+}
+
+/* A permute of BF16 rows by `ids` into R rows on both backends. expect_pending:
+ * the GPU call itself returns FM_OK and the synchronize refuses. Returns the
+ * CPU status. */
+static fm_status permute_case(fm_context *cpu, fm_context *gpu, const char *cs, const int32_t *ids, int64_t R,
+                              int host_splits, int expect_pending)
+{
+    uint16_t *x = malloc((size_t)(T * H) * 2);
+    for (int64_t i = 0; i < T * H; i++)
+        x[i] = (uint16_t)(0x3F80u + (uint16_t)(i % 97)); /* BF16 values near 1 */
+    int32_t *hrm = malloc((size_t)R * 4), *hsr = malloc((size_t)(T * K) * 4);
+    int64_t hsp[8], hs_cpu[8], hs_gpu[8];
+    uint16_t *hout = malloc((size_t)(R * H) * 2);
+    fm_permute_config pc = {.pad_multiple = PAD};
+    fm_tensor xh = fm_tensor_2d(x, FM_DTYPE_BF16, T, H), ih = fm_tensor_2d((void *)ids, FM_DTYPE_I32, T, K);
+    fm_tensor oh = fm_tensor_2d(hout, FM_DTYPE_BF16, R, H), rmh = fm_tensor_2d(hrm, FM_DTYPE_I32, R, 1);
+    fm_tensor srh = fm_tensor_2d(hsr, FM_DTYPE_I32, T, K), sph = fm_tensor_2d(hsp, FM_DTYPE_I64, 1, E);
+    fm_status stc = fm_moe_permute(cpu, &pc, &xh, &ih, NULL, &oh, &rmh, &srh, &sph, NULL,
+                                   host_splits ? hs_cpu : NULL);
+    char cmsg[512];
+    snprintf(cmsg, sizeof cmsg, "%s", fm_last_error(cpu));
+
+    void *dx = dcopy(x, (size_t)(T * H) * 2), *di = dcopy(ids, (size_t)(T * K) * 4);
+    void *dout = dalloc((size_t)(R * H) * 2, 0xA5), *drm = dalloc((size_t)R * 4, 0xA5);
+    void *dsr = dalloc((size_t)(T * K) * 4, 0xA5), *dsp = dalloc((size_t)E * 8, 0xA5);
+    fm_tensor xd = fm_tensor_2d(dx, FM_DTYPE_BF16, T, H), id = fm_tensor_2d(di, FM_DTYPE_I32, T, K);
+    fm_tensor od = fm_tensor_2d(dout, FM_DTYPE_BF16, R, H), rmd = fm_tensor_2d(drm, FM_DTYPE_I32, R, 1);
+    fm_tensor srd = fm_tensor_2d(dsr, FM_DTYPE_I32, T, K), spd = fm_tensor_2d(dsp, FM_DTYPE_I64, 1, E);
+    fm_tensor *dts[] = {&xd, &id, &od, &rmd, &srd, &spd};
+    for (int i = 0; i < 6; i++)
+        dts[i]->device = FM_DEVICE_CUDA;
+    fm_status stg = fm_moe_permute(gpu, &pc, &xd, &id, NULL, &od, &rmd, &srd, &spd, NULL, host_splits ? hs_gpu : NULL);
+    char gmsg[512];
+    snprintf(gmsg, sizeof gmsg, "%s", fm_last_error(gpu));
+    fm_status sy = fm_context_synchronize(gpu);
+    char smsg[512];
+    snprintf(smsg, sizeof smsg, "%s", fm_last_error(gpu));
+    if (expect_pending) {
+        GT_CHECK(stg == FM_OK, "%s: the call returned %s (%s); the finding should wait", cs, fm_status_name(stg), gmsg);
+        GT_CHECK(sy == FM_ERR_INVALID_ARG && !strcmp(smsg, cmsg), "%s: synchronize gave %s '%s', the CPU '%s'", cs,
+                 fm_status_name(sy), smsg, cmsg);
+        GT_CHECK(all_i32(dsr, T * K, -1) && all_i32(drm, R, -1), "%s: a flagged call placed slots", cs);
+        GT_CHECK(fm_context_synchronize(gpu) == FM_OK, "%s: reported twice: %s", cs, fm_last_error(gpu));
+    } else {
+        GT_CHECK(stg == stc, "%s: gpu %s (%s), cpu %s (%s)", cs, fm_status_name(stg), gmsg, fm_status_name(stc), cmsg);
+        GT_CHECK(sy == FM_OK, "%s: synchronize after the call: %s", cs, smsg);
+        if (stc == FM_OK && stg == FM_OK) {
+            GT_CHECK(same_dev_host(dout, hout, (size_t)(R * H) * 2) && same_dev_host(drm, hrm, (size_t)R * 4) &&
+                         same_dev_host(dsr, hsr, (size_t)(T * K) * 4) && same_dev_host(dsp, hsp, (size_t)E * 8),
+                     "%s: the outputs differ from the CPU's", cs);
+            GT_CHECK(!host_splits || !memcmp(hs_cpu, hs_gpu, (size_t)E * 8), "%s: host_splits differ", cs);
+        } else {
+            GT_CHECK(!strcmp(gmsg, cmsg), "%s: gpu says '%s', cpu '%s'", cs, gmsg, cmsg);
+        }
+    }
+    void *ds[] = {dx, di, dout, drm, dsr, dsp};
+    for (int i = 0; i < 6; i++)
+        cudaFree(ds[i]);
+    free(x);
+    free(hrm);
+    free(hsr);
+    free(hout);
+    return stc;
+}
+
+/* An E4M3 1x128 row-wise [128, 256] tensor, zero codes, scales 1 but one of
+ * 3, transposed by the CUDA backend with its scale check. */
+static fm_status bad_scale_transpose(fm_context *gpu, void **keep_out)
+{
+    const int64_t R = 128, C = 256, nb = R * (C / 128);
+    float sc[256];
+    for (int64_t i = 0; i < nb; i++)
+        sc[i] = 1.0f;
+    sc[77] = 3.0f;
+    fm_tensor in = fm_tensor_2d(dalloc((size_t)(R * C), 0), FM_DTYPE_E4M3, R, C);
+    in.device = FM_DEVICE_CUDA;
+    in.scale_mode = FM_SCALE_BLOCK_1x128;
+    in.scale_dtype = FM_DTYPE_F32;
+    in.scale = dcopy(sc, (size_t)nb * 4);
+    fm_tensor out = in;
+    out.layout = FM_LAYOUT_COLWISE;
+    out.data = dalloc((size_t)(R * C), 0xA5);
+    out.scale = dalloc((size_t)fm_tensor_scale_nbytes(&out), 0xA5);
+    fm_requant_config rq = {.rule = FM_REQUANT_TIGHT};
+    fm_status st = fm_transpose_scaled(gpu, &rq, &in, &out);
+    GT_CUDA(cudaDeviceSynchronize());
+    cudaFree(in.data);
+    cudaFree(in.scale);
+    cudaFree(out.scale);
+    *keep_out = out.data;
+    return st;
+}
+
+int main(void)
+{
+    const char *name = "test_cuda_device_findings_reported_at_synchronize";
+    fm_context *gpu = gt_cuda_context(name), *cpu = gt_cpu_context();
+    int32_t ids[T * K];
+    for (int64_t i = 0; i < T * K; i++)
+        ids[i] = (int32_t)((i * 7 + i / K) % E);
+    ids[9] = -1; /* no expert: skipped, not bad */
+    int64_t cnt[8] = {0}, need = 0;
+    for (int64_t i = 0; i < T * K; i++)
+        if (ids[i] >= 0)
+            cnt[ids[i]]++;
+    for (int64_t e = 0; e < E; e++)
+        need += (cnt[e] + PAD - 1) / PAD * PAD;
+    const int64_t bound = T * K + E * (PAD - 1);
+
+    /* valid, with and without host_splits */
+    GT_CHECK(permute_case(cpu, gpu, "valid", ids, bound, 0, 0) == FM_OK, "the valid routing was refused");
+    permute_case(cpu, gpu, "valid, host_splits", ids, need, 1, 0);
+
+    /* bad ids (the first one named), then too few rows */
+    int32_t bad[T * K];
+    memcpy(bad, ids, sizeof bad);
+    bad[41] = (int32_t)E;
+    bad[60] = -7;
+    GT_CHECK(permute_case(cpu, gpu, "bad id", bad, bound, 0, 1) == FM_ERR_INVALID_ARG, "the CPU took a bad id");
+    permute_case(cpu, gpu, "bad id, host_splits", bad, bound, 1, 0);
+    GT_CHECK(permute_case(cpu, gpu, "too few rows", ids, need - 1, 0, 1) == FM_ERR_INVALID_ARG,
+             "the CPU took too few rows");
+    permute_case(cpu, gpu, "too few rows, host_splits", ids, need - 1, 1, 0);
+
+    /* a bad scale: nothing written, reported once */
+    void *tout;
+    GT_CHECK(bad_scale_transpose(gpu, &tout) == FM_OK, "the transpose waited for its check: %s", fm_last_error(gpu));
+    {
+        unsigned char *h = malloc(128 * 256);
+        GT_CUDA(cudaMemcpy(h, tout, 128 * 256, cudaMemcpyDeviceToHost));
+        int untouched = 1;
+        for (int i = 0; i < 128 * 256; i++)
+            untouched &= h[i] == 0xA5;
+        GT_CHECK(untouched, "the refused transpose wrote its output");
+        free(h);
+        cudaFree(tout);
+    }
+    fm_status sy = fm_context_synchronize(gpu);
+    GT_CHECK(sy == FM_ERR_INVALID_ARG && strstr(fm_last_error(gpu), "block (expert 0, stored row 38, block 1) is 3,"),
+             "the bad scale: %s (%s)", fm_status_name(sy), fm_last_error(gpu));
+    GT_CHECK(fm_context_synchronize(gpu) == FM_OK, "the bad scale reported twice: %s", fm_last_error(gpu));
+
+    /* two findings: the first is reported, the second dropped */
+    {
+        fm_permute_config pc = {.pad_multiple = PAD};
+        void *dx = dalloc((size_t)(T * H) * 2, 0), *di = dcopy(bad, sizeof bad);
+        void *dout = dalloc((size_t)(bound * H) * 2, 0), *drm = dalloc((size_t)bound * 4, 0);
+        void *dsr = dalloc(sizeof bad, 0), *dsp = dalloc((size_t)E * 8, 0);
+        fm_tensor xd = fm_tensor_2d(dx, FM_DTYPE_BF16, T, H), id = fm_tensor_2d(di, FM_DTYPE_I32, T, K);
+        fm_tensor od = fm_tensor_2d(dout, FM_DTYPE_BF16, bound, H), rmd = fm_tensor_2d(drm, FM_DTYPE_I32, bound, 1);
+        fm_tensor srd = fm_tensor_2d(dsr, FM_DTYPE_I32, T, K), spd = fm_tensor_2d(dsp, FM_DTYPE_I64, 1, E);
+        fm_tensor *dts[] = {&xd, &id, &od, &rmd, &srd, &spd};
+        for (int i = 0; i < 6; i++)
+            dts[i]->device = FM_DEVICE_CUDA;
+        GT_CHECK(fm_moe_permute(gpu, &pc, &xd, &id, NULL, &od, &rmd, &srd, &spd, NULL, NULL) == FM_OK,
+                 "the bad permute: %s", fm_last_error(gpu));
+        GT_CHECK(bad_scale_transpose(gpu, &tout) == FM_OK, "the transpose: %s", fm_last_error(gpu));
+        cudaFree(tout);
+        sy = fm_context_synchronize(gpu);
+        GT_CHECK(sy == FM_ERR_INVALID_ARG && strstr(fm_last_error(gpu), "expert_ids: entry [20, 1] is 5,"),
+                 "two findings: %s (%s)", fm_status_name(sy), fm_last_error(gpu));
+        GT_CHECK(fm_context_synchronize(gpu) == FM_OK, "two findings: a second report: %s", fm_last_error(gpu));
+        void *ds[] = {dx, di, dout, drm, dsr, dsp};
+        for (int i = 0; i < 6; i++)
+            cudaFree(ds[i]);
+    }
+
+    /* and a valid call afterwards */
+    permute_case(cpu, gpu, "valid after the findings", ids, bound, 0, 0);
+
+    fm_context_destroy(gpu);
+    fm_context_destroy(cpu);
+    return gt_finish(name);
+}
