@@ -49,15 +49,60 @@ static int same_dev_host(const void *d, const void *h, size_t n)
     return ok;
 }
 
+/* fm_moe_permute's device buffers: x [T, H] BF16, ids [T, K], out [R, H],
+ * row_map, slot_rows, splits; the outputs poisoned. */
+typedef struct dperm {
+    void *p[6];
+    fm_tensor t[6]; /* x, ids, out, row_map, slot_rows, splits */
+} dperm;
+
+static void dperm_make(dperm *d, const uint16_t *x, const int32_t *ids, int64_t R)
+{
+    d->p[0] = dcopy(x, (size_t)(T * H) * 2);
+    d->p[1] = dcopy(ids, (size_t)(T * K) * 4);
+    d->p[2] = dalloc((size_t)(R * H) * 2, 0xA5);
+    d->p[3] = dalloc((size_t)R * 4, 0xA5);
+    d->p[4] = dalloc((size_t)(T * K) * 4, 0xA5);
+    d->p[5] = dalloc((size_t)E * 8, 0xA5);
+    d->t[0] = fm_tensor_2d(d->p[0], FM_DTYPE_BF16, T, H);
+    d->t[1] = fm_tensor_2d(d->p[1], FM_DTYPE_I32, T, K);
+    d->t[2] = fm_tensor_2d(d->p[2], FM_DTYPE_BF16, R, H);
+    d->t[3] = fm_tensor_2d(d->p[3], FM_DTYPE_I32, R, 1);
+    d->t[4] = fm_tensor_2d(d->p[4], FM_DTYPE_I32, T, K);
+    d->t[5] = fm_tensor_2d(d->p[5], FM_DTYPE_I64, 1, E);
+    for (int i = 0; i < 6; i++)
+        d->t[i].device = FM_DEVICE_CUDA;
+}
+
+static fm_status dperm_run(fm_context *gpu, dperm *d, int64_t *host_splits)
+{
+    fm_permute_config pc = {.pad_multiple = PAD};
+    return fm_moe_permute(gpu, &pc, &d->t[0], &d->t[1], NULL, &d->t[2], &d->t[3], &d->t[4], &d->t[5], NULL,
+                          host_splits);
+}
+
+static void dperm_free(dperm *d)
+{
+    for (int i = 0; i < 6; i++)
+        cudaFree(d->p[i]);
+}
+
+/* BF16 values near 1, [T, H]. */
+static uint16_t *make_x(void)
+{
+    uint16_t *x = malloc((size_t)(T * H) * 2);
+    for (int64_t i = 0; i < T * H; i++)
+        x[i] = (uint16_t)(0x3F80u + (uint16_t)(i % 97));
+    return x;
+}
+
 /* A permute of BF16 rows by `ids` into R rows on both backends. expect_pending:
  * the GPU call itself returns FM_OK and the synchronize refuses. Returns the
  * CPU status. */
 static fm_status permute_case(fm_context *cpu, fm_context *gpu, const char *cs, const int32_t *ids, int64_t R,
                               int host_splits, int expect_pending)
 {
-    uint16_t *x = malloc((size_t)(T * H) * 2);
-    for (int64_t i = 0; i < T * H; i++)
-        x[i] = (uint16_t)(0x3F80u + (uint16_t)(i % 97)); /* BF16 values near 1 */
+    uint16_t *x = make_x();
     int32_t *hrm = malloc((size_t)R * 4), *hsr = malloc((size_t)(T * K) * 4);
     int64_t hsp[8], hs_cpu[8], hs_gpu[8];
     uint16_t *hout = malloc((size_t)(R * H) * 2);
@@ -70,16 +115,10 @@ static fm_status permute_case(fm_context *cpu, fm_context *gpu, const char *cs, 
     char cmsg[512];
     snprintf(cmsg, sizeof cmsg, "%s", fm_last_error(cpu));
 
-    void *dx = dcopy(x, (size_t)(T * H) * 2), *di = dcopy(ids, (size_t)(T * K) * 4);
-    void *dout = dalloc((size_t)(R * H) * 2, 0xA5), *drm = dalloc((size_t)R * 4, 0xA5);
-    void *dsr = dalloc((size_t)(T * K) * 4, 0xA5), *dsp = dalloc((size_t)E * 8, 0xA5);
-    fm_tensor xd = fm_tensor_2d(dx, FM_DTYPE_BF16, T, H), id = fm_tensor_2d(di, FM_DTYPE_I32, T, K);
-    fm_tensor od = fm_tensor_2d(dout, FM_DTYPE_BF16, R, H), rmd = fm_tensor_2d(drm, FM_DTYPE_I32, R, 1);
-    fm_tensor srd = fm_tensor_2d(dsr, FM_DTYPE_I32, T, K), spd = fm_tensor_2d(dsp, FM_DTYPE_I64, 1, E);
-    fm_tensor *dts[] = {&xd, &id, &od, &rmd, &srd, &spd};
-    for (int i = 0; i < 6; i++)
-        dts[i]->device = FM_DEVICE_CUDA;
-    fm_status stg = fm_moe_permute(gpu, &pc, &xd, &id, NULL, &od, &rmd, &srd, &spd, NULL, host_splits ? hs_gpu : NULL);
+    dperm d;
+    dperm_make(&d, x, ids, R);
+    void *dout = d.p[2], *drm = d.p[3], *dsr = d.p[4], *dsp = d.p[5];
+    fm_status stg = dperm_run(gpu, &d, host_splits ? hs_gpu : NULL);
     char gmsg[512];
     snprintf(gmsg, sizeof gmsg, "%s", fm_last_error(gpu));
     fm_status sy = fm_context_synchronize(gpu);
@@ -103,9 +142,7 @@ static fm_status permute_case(fm_context *cpu, fm_context *gpu, const char *cs, 
             GT_CHECK(!strcmp(gmsg, cmsg), "%s: gpu says '%s', cpu '%s'", cs, gmsg, cmsg);
         }
     }
-    void *ds[] = {dx, di, dout, drm, dsr, dsp};
-    for (int i = 0; i < 6; i++)
-        cudaFree(ds[i]);
+    dperm_free(&d);
     free(x);
     free(hrm);
     free(hsr);
@@ -192,27 +229,18 @@ int main(void)
 
     /* two findings: the first is reported, the second dropped */
     {
-        fm_permute_config pc = {.pad_multiple = PAD};
-        void *dx = dalloc((size_t)(T * H) * 2, 0), *di = dcopy(bad, sizeof bad);
-        void *dout = dalloc((size_t)(bound * H) * 2, 0), *drm = dalloc((size_t)bound * 4, 0);
-        void *dsr = dalloc(sizeof bad, 0), *dsp = dalloc((size_t)E * 8, 0);
-        fm_tensor xd = fm_tensor_2d(dx, FM_DTYPE_BF16, T, H), id = fm_tensor_2d(di, FM_DTYPE_I32, T, K);
-        fm_tensor od = fm_tensor_2d(dout, FM_DTYPE_BF16, bound, H), rmd = fm_tensor_2d(drm, FM_DTYPE_I32, bound, 1);
-        fm_tensor srd = fm_tensor_2d(dsr, FM_DTYPE_I32, T, K), spd = fm_tensor_2d(dsp, FM_DTYPE_I64, 1, E);
-        fm_tensor *dts[] = {&xd, &id, &od, &rmd, &srd, &spd};
-        for (int i = 0; i < 6; i++)
-            dts[i]->device = FM_DEVICE_CUDA;
-        GT_CHECK(fm_moe_permute(gpu, &pc, &xd, &id, NULL, &od, &rmd, &srd, &spd, NULL, NULL) == FM_OK,
-                 "the bad permute: %s", fm_last_error(gpu));
+        uint16_t *x = make_x();
+        dperm d;
+        dperm_make(&d, x, bad, bound);
+        GT_CHECK(dperm_run(gpu, &d, NULL) == FM_OK, "the bad permute: %s", fm_last_error(gpu));
         GT_CHECK(bad_scale_transpose(gpu, &tout) == FM_OK, "the transpose: %s", fm_last_error(gpu));
         cudaFree(tout);
         sy = fm_context_synchronize(gpu);
         GT_CHECK(sy == FM_ERR_INVALID_ARG && strstr(fm_last_error(gpu), "expert_ids: entry [20, 1] is 5,"),
                  "two findings: %s (%s)", fm_status_name(sy), fm_last_error(gpu));
         GT_CHECK(fm_context_synchronize(gpu) == FM_OK, "two findings: a second report: %s", fm_last_error(gpu));
-        void *ds[] = {dx, di, dout, drm, dsr, dsp};
-        for (int i = 0; i < 6; i++)
-            cudaFree(ds[i]);
+        dperm_free(&d);
+        free(x);
     }
 
     /* and a valid call afterwards */
