@@ -37,11 +37,12 @@ typedef struct fm_cuda_state {
 #define fm_cuda_op_words(ctx) ((void *)((char *)fm_cuda(ctx)->op_words + fm_cuda(ctx)->queue * FM_CUDA_OP_WORDS))
 
 /* Bad input that only the device can see, found by an op that does not wait
- * for the device (the power-of-two check of scaling-aware ops' F32 scales):
- * the op's kernels write nothing, and the first such finding since the last
- * fm_context_synchronize waits here; that call reports it (and clears it)
- * with the sentence the CPU backend returns at once. state: 0 none, 1 being
- * written, 2 ready. */
+ * for the device (the power-of-two check of scaling-aware ops' F32 scales,
+ * whose kernels then write nothing; fm_moe_permute's expert ids and row
+ * count, whose outputs then hold no placed slot): the first such finding
+ * since the last fm_context_synchronize waits here; that call reports it
+ * (and clears it) with the sentence the CPU backend returns at once.
+ * state: 0 none, 1 being written, 2 ready. */
 enum {
     FM_CUDA_PENDING_SCALE_ROW = 1,   /* a = row, b = block, bits = the scale */
     FM_CUDA_PENDING_SCALE_BLOCK = 2, /* a = expert or group, b = stored row, c = block, bits = the scale */
