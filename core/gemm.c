@@ -293,8 +293,9 @@ fm_status fm_grouped_gemm(fm_context *ctx, const fm_gemm_config *cfg_in, const f
     }
     /* Device-only split sizes (host NULL) spare the caller a device-to-host
      * copy: the native CUDA kernel reads them where they are. What cannot be
-     * checked on the host, the kernel makes harmless: it clamps every size
-     * and never writes past d's rows. */
+     * checked on the host, the kernel makes harmless (it clamps every size
+     * and never writes past d's rows) and reports at the next
+     * fm_context_synchronize. */
     int device_only = splits && !splits->host && splits->device;
     if (device_only) {
         if (ctx->kind != FM_BACKEND_CUDA)

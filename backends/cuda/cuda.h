@@ -39,7 +39,8 @@ typedef struct fm_cuda_state {
 /* Bad input that only the device can see, found by an op that does not wait
  * for the device (the power-of-two check of scaling-aware ops' F32 scales,
  * whose kernels then write nothing; fm_moe_permute's expert ids and row
- * count, whose outputs then hold no placed slot): the first such finding
+ * count, whose outputs then hold no placed slot; the native grouped GEMM's
+ * device-only split sizes, which it clamps): the first such finding
  * since the last fm_context_synchronize waits here; that call reports it
  * (and clears it) with the sentence the CPU backend returns at once.
  * state: 0 none, 1 being written, 2 ready. */
@@ -47,7 +48,10 @@ enum {
     FM_CUDA_PENDING_SCALE_ROW = 1,   /* a = row, b = block, bits = the scale */
     FM_CUDA_PENDING_SCALE_BLOCK = 2, /* a = expert or group, b = stored row, c = block, bits = the scale */
     FM_CUDA_PENDING_BAD_ID = 3,      /* fm_moe_permute: entry [a, b] is (int)bits, outside [0, E = c), not -1 */
-    FM_CUDA_PENDING_FEW_ROWS = 4     /* fm_moe_permute: out has a rows, the routing needs b (pad c, bound d) */
+    FM_CUDA_PENDING_FEW_ROWS = 4,    /* fm_moe_permute: out has a rows, the routing needs b (pad c, bound d) */
+    FM_CUDA_PENDING_SPLIT_NEG = 5,   /* fm_grouped_gemm, device-only splits: size [a] is b < 0 */
+    FM_CUDA_PENDING_SPLIT_PAST = 6,  /* ... the sizes pass a's a rows at group b */
+    FM_CUDA_PENDING_SPLIT_SUM = 7    /* ... the sizes sum to a, a has b rows */
 };
 typedef struct fm_cuda_pending {
     unsigned int state;

@@ -101,6 +101,14 @@ fm_status fm_cuda_pending_report(fm_context *ctx, const fm_cuda_pending *h)
                         "out: has %lld rows but this routing needs %lld (sum over experts of their slot count "
                         "rounded up to pad_multiple %lld); R = T*k + E*(pad-1) = %lld always suffices",
                         h->a, h->b, h->c, h->d);
+    case FM_CUDA_PENDING_SPLIT_NEG:
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "splits->device[%lld]: %lld rows; sizes must be >= 0", h->a, h->b);
+    case FM_CUDA_PENDING_SPLIT_PAST:
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "splits->device: the sizes sum past a's %lld rows (at group %lld)",
+                        h->a, h->b);
+    case FM_CUDA_PENDING_SPLIT_SUM:
+        return fm_error(ctx, FM_ERR_INVALID_ARG, "splits->device: the sizes sum to %lld but a has %lld rows", h->a,
+                        h->b);
     case FM_CUDA_PENDING_SCALE_ROW:
         return fm_error(ctx, FM_ERR_INVALID_ARG,
                         "in->scale: the scale of row %lld, block %lld is %g, not a positive power of two; "

@@ -75,6 +75,7 @@ typedef struct {
     void *d;
     long long ldd;
     const int64_t *splits; /* device split sizes, or NULL: host_splits */
+    fm_cuda_pending *pend; /* device-only splits: where sizes that do not add up are reported */
     int host_splits[GM_HOST_SPLITS];
     int groups, rows, n, k;
     int group_m; /* m blocks that sweep the n blocks together (gm_swizzle) */
@@ -591,13 +592,33 @@ __global__ void __launch_bounds__(GM_THREADS, 1)
     if (warp == 0) {
         /* Prefix sums of rows and tiles per expert. Split sizes come from the
          * caller's device memory unchecked: clamping each to [0, rows] and
-         * every row to < rows below keeps a wrong split from writing outside D. */
-        long long ct = 0, cr = 0;
+         * every row to < rows below keeps a wrong split from writing outside D.
+         * Device-only sizes that do not add up are also reported (CTA 0, in
+         * the host check's order: a negative size or a sum past the rows at
+         * the first group that shows it, else a total other than the rows). */
+        long long ct = 0, cr = 0, raw = 0, bad_m = 0;
+        int bad_kind = 0, bad_g = 0;
         for (int b0 = 0; b0 < G; b0 += 32) {
             int e = b0 + lane;
             long long m = 0;
             if (e < G)
                 m = p.splits ? p.splits[e] : p.host_splits[e];
+            if (p.pend && blockIdx.x == 0) {
+                long long q = m; /* the raw sizes' inclusive prefix */
+                for (int o = 1; o < 32; o <<= 1) {
+                    const long long xq = __shfl_up_sync(0xffffffffu, q, o);
+                    if (lane >= o)
+                        q += xq;
+                }
+                const unsigned viol = __ballot_sync(0xffffffffu, e < G && (m < 0 || raw + q > p.rows));
+                if (viol && !bad_kind) {
+                    const int l0 = __ffs(viol) - 1;
+                    bad_m = __shfl_sync(0xffffffffu, m, l0);
+                    bad_kind = bad_m < 0 ? FM_CUDA_PENDING_SPLIT_NEG : FM_CUDA_PENDING_SPLIT_PAST;
+                    bad_g = b0 + l0;
+                }
+                raw += __shfl_sync(0xffffffffu, q, 31);
+            }
             m = m < 0 ? 0 : m > p.rows ? p.rows : m;
             long long t = ((m + GM_BM - 1) / GM_BM) * nt, r = m;
             for (int o = 1; o < 32; o <<= 1) {
@@ -616,6 +637,12 @@ __global__ void __launch_bounds__(GM_THREADS, 1)
         }
         if (lane == 0)
             tile_pfx[0] = row_pfx[0] = 0;
+        if (p.pend && blockIdx.x == 0 && lane == 0 && (bad_kind || raw != p.rows) && fm_pending_claim(p.pend)) {
+            p.pend->kind = bad_kind ? bad_kind : FM_CUDA_PENDING_SPLIT_SUM;
+            p.pend->a = bad_kind == FM_CUDA_PENDING_SPLIT_NEG ? bad_g : bad_kind ? p.rows : raw;
+            p.pend->b = bad_kind == FM_CUDA_PENDING_SPLIT_NEG ? bad_m : bad_kind ? bad_g : p.rows;
+            fm_pending_post(p.pend);
+        }
     } else if (warp == 1 && lane == 0) {
         gm_bars_init<CWG, BN>(full, empty, 4 * CWG * CL); /* one arrival per consumer warp of the cluster */
     }
@@ -1069,8 +1096,10 @@ extern "C" fm_status fm_cuda_gemm_sm90(fm_context *ctx, const fm_gemm_config *cf
      * 1201 / 1203, the layer's products +1-1.5%. */
     p.group_m = splits && S >= 2048 * E ? 4 : GM_GROUP_M;
     p.vec = N % (d->dtype == FM_DTYPE_F32 ? 4 : 8) == 0 && (uintptr_t)d->data % 16 == 0;
-    if (splits && splits->device)
+    if (splits && splits->device) {
         p.splits = splits->device;
+        p.pend = splits->host ? NULL : fm_cuda(ctx)->pending; /* host sizes were checked on the host */
+    }
     else if (splits)
         for (int64_t e = 0; e < E; e++)
             p.host_splits[e] = (int)splits->host[e];

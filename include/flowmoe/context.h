@@ -48,8 +48,9 @@ void *fm_context_stream(const fm_context *ctx);
  * reports bad input that only the device could see and that an op which
  * does not wait for the device left pending (FM_ERR_INVALID_ARG and the
  * op's sentence; the first since the last call): on CUDA, a scaling-aware
- * op's F32 scale that is not a power of two (transpose.h), and
- * fm_moe_permute's bad expert ids or too short out (moe.h). */
+ * op's F32 scale that is not a power of two (transpose.h),
+ * fm_moe_permute's bad expert ids or too short out (moe.h), and device-only
+ * split sizes of fm_grouped_gemm that do not add up (gemm.h). */
 fm_status fm_context_synchronize(fm_context *ctx);
 
 /* Memory in the context's own device: malloc on the CPU backend, cudaMalloc

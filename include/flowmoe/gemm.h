@@ -117,7 +117,9 @@ fm_status fm_linear_wgrad(fm_context *ctx, const fm_gemm_config *cfg, const fm_t
  * equal A's rows. Host sizes are required by the CPU backend and by the
  * cuBLASLt path; on CUDA, splits->host may be NULL when splits->device is
  * given and the native kernel applies (no device-to-host copy: sizes that do
- * not add up are clamped on the device, never written past d). Empty
+ * not add up are clamped on the device, never written past d, and reported
+ * by the next fm_context_synchronize with the sentence a host check gives,
+ * naming splits->device). Empty
  * experts write nothing. A's scales are per row (ROW, BLOCK_1x128) or one for
  * all rows (TENSOR); B's TENSOR scale is one per expert. No padding rule: M_i may be any size >= 0, because every A scale
  * mode here is per row. */

@@ -10,7 +10,8 @@
  * kernel also gets its own shape classes: experts of 0, 1, 127, 128, 129 and
  * many rows, N and K off the 128 tile, one expert holding every row, more
  * experts than CTAs' tile tables hold on the host path, device-only split
- * sizes, split sizes that do not add up (nothing written past D), and the
+ * sizes, split sizes that do not add up (nothing written past D, reported at
+ * the next synchronize), and the
  * same bits run to run. The k-grouped weight gradient gets the same: both
  * implementations, the native kernel's refusals, and its own shape classes. */
 #include <math.h>
@@ -370,12 +371,21 @@ static void grouped(fm_context *cpu, fm_context *gpu, const pair_t *p, int64_t E
     grouped_run(cpu, gpu, p, E, splits, N, K, out, SPLITS_HOST, 0, 0);
 }
 
-/* Device split sizes that claim more rows than A has: the native kernel must
- * not write past D (a canary after it stays), and must still finish. */
+/* Device split sizes that do not add up: the native kernel must not write
+ * past D (a canary after it stays), must still finish, and the next
+ * synchronize reports the first fault in the host check's order, once. */
 static void wrong_splits(fm_context *gpu)
 {
     const int64_t S = 200, N = 128, K = 128, E = 3;
-    const int64_t bad[3] = {150, -7, 190};
+    static const struct {
+        int64_t m[3];
+        const char *says; /* NULL: sizes that add up */
+    } cases[] = {
+        {{150, -7, 190}, "splits->device[1]: -7 rows; sizes must be >= 0"},
+        {{150, 60, 0}, "splits->device: the sizes sum past a's 200 rows (at group 1)"},
+        {{50, 60, 70}, "splits->device: the sizes sum to 180 but a has 200 rows"},
+        {{0, 200, 0}, NULL},
+    };
     fm_tensor ta = operand(FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, FM_LAYOUT_ROWWISE, 2, 1, S, K);
     fm_tensor tb = operand(FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128, FM_SCALE_LAYOUT_COMPACT, FM_LAYOUT_ROWWISE, 3, E, N, K);
     pairt A, B;
@@ -384,22 +394,32 @@ static void wrong_splits(fm_context *gpu)
     size_t nd = (size_t)(S * N * 2), canary = 1 << 16;
     uint8_t *dd = NULL, *h = malloc(canary);
     GT_CUDA(cudaMalloc((void **)&dd, nd + canary));
-    GT_CUDA(cudaMemset(dd, 0xA5, nd + canary));
     int64_t *dsp = NULL;
-    GT_CUDA(cudaMalloc((void **)&dsp, sizeof bad));
-    GT_CUDA(cudaMemcpy(dsp, bad, sizeof bad, cudaMemcpyHostToDevice));
-    fm_tensor D = fm_tensor_2d(dd, FM_DTYPE_BF16, S, N);
-    D.device = FM_DEVICE_CUDA;
-    fm_splits sp = {.groups = E, .device = dsp};
-    fm_gemm_config cfg = {.impl = FM_GEMM_IMPL_NATIVE};
-    fm_status st = fm_grouped_gemm(gpu, &cfg, &sp, &A.d, &B.d, &D);
-    GT_CHECK(st == FM_OK, "split sizes past A's rows: %s: %s", fm_status_name(st), fm_last_error(gpu));
-    GT_CUDA(cudaDeviceSynchronize());
-    GT_CUDA(cudaMemcpy(h, dd + nd, canary, cudaMemcpyDeviceToHost));
-    size_t bad_bytes = 0;
-    for (size_t i = 0; i < canary; i++)
-        bad_bytes += h[i] != 0xA5;
-    GT_CHECK(bad_bytes == 0, "split sizes past A's rows: %zu bytes written past D", bad_bytes);
+    GT_CUDA(cudaMalloc((void **)&dsp, 3 * sizeof(int64_t)));
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        GT_CUDA(cudaMemset(dd, 0xA5, nd + canary));
+        GT_CUDA(cudaMemcpy(dsp, cases[c].m, sizeof cases[c].m, cudaMemcpyHostToDevice));
+        fm_tensor D = fm_tensor_2d(dd, FM_DTYPE_BF16, S, N);
+        D.device = FM_DEVICE_CUDA;
+        fm_splits sp = {.groups = E, .device = dsp};
+        fm_gemm_config cfg = {.impl = FM_GEMM_IMPL_NATIVE};
+        fm_status st = fm_grouped_gemm(gpu, &cfg, &sp, &A.d, &B.d, &D);
+        GT_CHECK(st == FM_OK, "device splits case %zu: %s: %s", c, fm_status_name(st), fm_last_error(gpu));
+        fm_status sy = fm_context_synchronize(gpu);
+        if (cases[c].says)
+            GT_CHECK(sy == FM_ERR_INVALID_ARG && !strcmp(fm_last_error(gpu), cases[c].says),
+                     "device splits case %zu: synchronize gave %s '%s', expected '%s'", c, fm_status_name(sy),
+                     fm_last_error(gpu), cases[c].says);
+        else
+            GT_CHECK(sy == FM_OK, "device splits case %zu (they add up): %s", c, fm_last_error(gpu));
+        GT_CHECK(fm_context_synchronize(gpu) == FM_OK, "device splits case %zu reported twice: %s", c,
+                 fm_last_error(gpu));
+        GT_CUDA(cudaMemcpy(h, dd + nd, canary, cudaMemcpyDeviceToHost));
+        size_t bad_bytes = 0;
+        for (size_t i = 0; i < canary; i++)
+            bad_bytes += h[i] != 0xA5;
+        GT_CHECK(bad_bytes == 0, "device splits case %zu: %zu bytes written past D", c, bad_bytes);
+    }
     free(h);
     cudaFree(dd);
     cudaFree(dsp);
