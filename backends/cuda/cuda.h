@@ -21,6 +21,7 @@ typedef struct fm_cuda_state {
      * state an op keeps on the device from one call to the next (the
      * power-of-two check's, which resets itself, so no call clears it). */
     void *op_words;
+    cudaEvent_t swap_event; /* fm_context_set_stream: the new stream waits for the old */
     /* Queue 1 (internal.h's fm_queue_select): a stream and a workspace of its
      * own, so that its ops never share scratch with queue 0's; `queue` is
      * where ops go now. Made by fm_queue_prepare. */

@@ -114,11 +114,14 @@ fm_status fm_cuda_pending_report(fm_context *ctx, const fm_cuda_pending *h)
                         "in->scale: the scale of row %lld, block %lld is %g, not a positive power of two; "
                         "scaling-aware ops need POW2 scales",
                         h->a, h->b, (double)fm_bits_f32(h->bits));
-    default:
+    case FM_CUDA_PENDING_SCALE_BLOCK:
         return fm_error(ctx, FM_ERR_INVALID_ARG,
                         "in->scale: the scale of block (expert %lld, stored row %lld, block %lld) is %g, "
                         "not a positive power of two; scaling-aware ops need POW2 scales",
                         h->a, h->b, h->c, (double)fm_bits_f32(h->bits));
+    default:
+        return fm_error(ctx, FM_ERR_BACKEND, "internal: a device finding of unknown kind %u (state %u)", h->kind,
+                        h->state);
     }
 }
 
@@ -128,20 +131,43 @@ static fm_status cuda_synchronize(fm_context *ctx)
 {
     fm_cuda_state *s = fm_cuda(ctx);
     cudaSetDevice(s->device);
-    cudaError_t err = cudaStreamSynchronize((cudaStream_t)ctx->stream);
-    if (err == cudaSuccess && s->q1_stream)
+    cudaStream_t q0 = (cudaStream_t)ctx->stream;
+    cudaError_t err = cudaSuccess;
+    if (s->q1_stream)
         err = cudaStreamSynchronize(s->q1_stream);
+    /* The read and the clear on the context's stream, finished before this
+     * returns: no later op (either queue) can post before the clear lands. */
     fm_cuda_pending *h = (fm_cuda_pending *)s->host_small;
+    h->state = 0;
     if (err == cudaSuccess)
-        err = cudaMemcpy(h, s->pending, sizeof *h, cudaMemcpyDeviceToHost);
-    if (err == cudaSuccess && h->state)
-        err = cudaMemset(s->pending, 0, sizeof *h);
+        err = cudaMemcpyAsync(h, s->pending, sizeof *h, cudaMemcpyDeviceToHost, q0);
+    if (err == cudaSuccess)
+        err = cudaStreamSynchronize(q0);
+    if (err == cudaSuccess && h->state) {
+        err = cudaMemsetAsync(s->pending, 0, sizeof *h, q0);
+        if (err == cudaSuccess)
+            err = cudaStreamSynchronize(q0);
+    }
     fm_status st = fm_cuda_check(ctx, err, "fm_context_synchronize");
     return st ? st : fm_cuda_pending_report(ctx, h);
 }
 
+/* The new stream waits for what the old one holds: the context's scratch,
+ * its op words and its pending finding are used by one op at a time. */
 static fm_status cuda_set_stream(fm_context *ctx, void *stream)
 {
+    fm_cuda_state *s = fm_cuda(ctx);
+    if (stream != ctx->stream) {
+        fm_cuda_device_guard g;
+        fm_status st = fm_cuda_enter(ctx, &g, "fm_context_set_stream");
+        if (st)
+            return st;
+        cudaError_t err = cudaEventRecord(s->swap_event, (cudaStream_t)ctx->stream);
+        if (err == cudaSuccess)
+            err = cudaStreamWaitEvent((cudaStream_t)stream, s->swap_event, 0);
+        if ((st = fm_cuda_leave(ctx, &g, err, "fm_context_set_stream: ordering the new stream after the old")))
+            return st;
+    }
     ctx->stream = stream;
     return FM_OK;
 }
@@ -164,6 +190,8 @@ static void cuda_destroy(fm_context *ctx)
         cudaFreeHost(s->host_small);
     if (s->pending)
         cudaFree(s->pending); /* op_words lie in the same allocation */
+    if (s->swap_event)
+        cudaEventDestroy(s->swap_event);
     if (s->lt)
         cublasLtDestroy(s->lt);
     free(s);
@@ -341,8 +369,14 @@ fm_status fm_cuda_backend_init(fm_context *ctx, const fm_context_config *cfg)
     static_assert(sizeof(fm_cuda_pending) <= 64, "the op words follow the pending finding");
     s->op_words = (char *)s->pending + 64;
     step = "cudaMemset(pending findings, op words)";
-    if ((err = cudaMemset(s->pending, 0, 64 + 2 * FM_CUDA_OP_WORDS)) != cudaSuccess)
+    if ((err = cudaMemset(s->pending, 0, 64 + 2 * FM_CUDA_OP_WORDS)) != cudaSuccess ||
+        (err = cudaDeviceSynchronize()) != cudaSuccess) /* before any op, on any stream, may post */
         goto fail;
+    step = "cudaEventCreateWithFlags(stream swap)";
+    if ((err = cudaEventCreateWithFlags(&s->swap_event, cudaEventDisableTiming)) != cudaSuccess) {
+        s->swap_event = NULL;
+        goto fail;
+    }
     if (cublasLtCreate(&s->lt) != CUBLAS_STATUS_SUCCESS) {
         s->lt = NULL;
         cuda_destroy(ctx);

@@ -604,7 +604,10 @@ __global__ void __launch_bounds__(GM_THREADS, 1)
             if (e < G)
                 m = p.splits ? p.splits[e] : p.host_splits[e];
             if (p.pend && blockIdx.x == 0) {
-                long long q = m; /* the raw sizes' inclusive prefix */
+                /* the inclusive prefix of the sizes clamped to [0, rows + 1]:
+                 * it passes the rows where the raw sum does, and cannot
+                 * overflow whatever the device memory holds */
+                long long q = m < 0 ? 0 : m > p.rows ? (long long)p.rows + 1 : m;
                 for (int o = 1; o < 32; o <<= 1) {
                     const long long xq = __shfl_up_sync(0xffffffffu, q, o);
                     if (lane >= o)

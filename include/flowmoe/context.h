@@ -41,7 +41,9 @@ fm_device fm_context_device(const fm_context *ctx);
 const char *fm_last_error(const fm_context *ctx);
 
 /* CUDA backend: the stream every op is queued on (a cudaStream_t; NULL = the
- * legacy default stream). FM_ERR_UNSUPPORTED on the CPU backend. */
+ * legacy default stream). Work already queued on the previous stream comes
+ * first: the new stream waits for it (an event, not the host). FM_ERR_UNSUPPORTED
+ * on the CPU backend. */
 fm_status fm_context_set_stream(fm_context *ctx, void *stream);
 void *fm_context_stream(const fm_context *ctx);
 /* Waits for every op queued on the context's stream (no-op on CPU). Then

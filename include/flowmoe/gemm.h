@@ -119,7 +119,8 @@ fm_status fm_linear_wgrad(fm_context *ctx, const fm_gemm_config *cfg, const fm_t
  * given and the native kernel applies (no device-to-host copy: sizes that do
  * not add up are clamped on the device, never written past d, and reported
  * by the next fm_context_synchronize with the sentence a host check gives,
- * naming splits->device). Empty
+ * naming splits->device; a product with no rows, columns or K launches
+ * nothing and reads no sizes). Empty
  * experts write nothing. A's scales are per row (ROW, BLOCK_1x128) or one for
  * all rows (TENSOR); B's TENSOR scale is one per expert. No padding rule: M_i may be any size >= 0, because every A scale
  * mode here is per row. */
