@@ -169,11 +169,25 @@ static fm_status bad_scale_transpose(fm_context *gpu, void **keep_out)
     out.data = dalloc((size_t)(R * C), 0xA5);
     out.scale = dalloc((size_t)fm_tensor_scale_nbytes(&out), 0xA5);
     fm_requant_config rq = {.rule = FM_REQUANT_TIGHT};
+    int64_t *dnf = dalloc(8, 0xA5);
+    rq.nonfinite_blocks = dnf;
     fm_status st = fm_transpose_scaled(gpu, &rq, &in, &out);
     GT_CUDA(cudaDeviceSynchronize());
+    /* the output's scales and the non-finite count stay as poisoned too */
+    size_t ns = (size_t)fm_tensor_scale_nbytes(&out);
+    unsigned char *h = malloc(ns + 8);
+    GT_CUDA(cudaMemcpy(h, out.scale, ns, cudaMemcpyDeviceToHost));
+    GT_CUDA(cudaMemcpy(h + ns, dnf, 8, cudaMemcpyDeviceToHost));
+    size_t i = 0;
+    while (i < ns + 8 && h[i] == 0xA5)
+        i++;
+    GT_CHECK(i == ns + 8, "the refused transpose wrote %s byte %zu", i < ns ? "scale" : "nonfinite_blocks",
+             i < ns ? i : i - ns);
+    free(h);
     cudaFree(in.data);
     cudaFree(in.scale);
     cudaFree(out.scale);
+    cudaFree(dnf);
     *keep_out = out.data;
     return st;
 }

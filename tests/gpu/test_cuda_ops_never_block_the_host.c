@@ -89,6 +89,7 @@ int main(void)
         GT_CUDA(cudaMalloc(&drt[k], nrt));
         GT_CUDA(cudaMalloc(&drts[k], (size_t)fm_tensor_scale_nbytes(&rt[k])));
         GT_CUDA(cudaMemset(drt[k], 0xA5, nrt));
+        GT_CUDA(cudaMemset(drts[k], 0xA5, (size_t)fm_tensor_scale_nbytes(&rt[k])));
         rt[k].data = drt[k];
         rt[k].scale = drts[k];
     }
@@ -130,12 +131,14 @@ int main(void)
     GT_CHECK(fm_context_synchronize(g) == FM_OK, "a second synchronize: %s (reported once)", fm_last_error(g));
     GT_CHECK(!atomic_load(&timed_out), "the gate timed out");
     {
-        unsigned char *u = malloc(nrt);
+        const size_t nrs = (size_t)fm_tensor_scale_nbytes(&rt[2]);
+        unsigned char *u = malloc(nrt + nrs);
         GT_CUDA(cudaMemcpy(u, drt[2], nrt, cudaMemcpyDeviceToHost));
+        GT_CUDA(cudaMemcpy(u + nrt, drts[2], nrs, cudaMemcpyDeviceToHost));
         size_t i = 0;
-        while (i < nrt && u[i] == 0xA5)
+        while (i < nrt + nrs && u[i] == 0xA5)
             i++;
-        GT_CHECK(i == nrt, "the refused transpose wrote byte %zu of its output", i);
+        GT_CHECK(i == nrt + nrs, "the refused transpose wrote byte %zu of its output (codes, then scales)", i);
         free(u);
     }
 
