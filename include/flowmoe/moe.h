@@ -91,8 +91,9 @@ typedef struct fm_permute_config {
  * out of range is reported as FM_ERR_INVALID_ARG, as is an out with fewer
  * rows than the routing needs. On CUDA both are found on the device: the
  * call reports them itself when host_splits makes it wait; otherwise it
- * returns FM_OK, its outputs hold zero rows (row_map and slot_rows -1), and
- * the next fm_context_synchronize reports the finding. */
+ * returns FM_OK, its outputs hold zero rows (row_map and slot_rows -1;
+ * splits the padded counts of the valid ids), and the next
+ * fm_context_synchronize reports the finding. */
 fm_status fm_moe_permute(fm_context *ctx, const fm_permute_config *cfg, const fm_tensor *x,
                          const fm_tensor *expert_ids, const fm_tensor *probs, fm_tensor *out, fm_tensor *row_map,
                          fm_tensor *slot_rows, fm_tensor *splits, fm_tensor *out_probs, int64_t *host_splits);
