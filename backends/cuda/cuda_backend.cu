@@ -368,9 +368,10 @@ fm_status fm_cuda_backend_init(fm_context *ctx, const fm_context_config *cfg)
     }
     static_assert(sizeof(fm_cuda_pending) <= 64, "the op words follow the pending finding");
     s->op_words = (char *)s->pending + 64;
+    /* the memset done before any op, on any stream, may post */
     step = "cudaMemset(pending findings, op words)";
     if ((err = cudaMemset(s->pending, 0, 64 + 2 * FM_CUDA_OP_WORDS)) != cudaSuccess ||
-        (err = cudaDeviceSynchronize()) != cudaSuccess) /* before any op, on any stream, may post */
+        (err = cudaStreamSynchronize(0)) != cudaSuccess)
         goto fail;
     step = "cudaEventCreateWithFlags(stream swap)";
     if ((err = cudaEventCreateWithFlags(&s->swap_event, cudaEventDisableTiming)) != cudaSuccess) {
