@@ -120,7 +120,7 @@ typedef struct rqparams {
 
 /* A call whose check found a bad scale writes nothing: each kernel of the
  * call returns at once (stream order makes the check's verdict visible). */
-FM_DI bool rq_refused(const rqparams &p) { return p.verdict && *p.verdict != 0ull; }
+FM_DI bool rq_refused(const unsigned long long *verdict) { return verdict && *verdict != 0ull; }
 
 /* ---- small device helpers ------------------------------------------------- */
 
@@ -570,7 +570,7 @@ __global__ void __launch_bounds__(RQTHREADS, 2) requant_tile_kernel(const rqpara
     const uint32_t lane4 = (uint32_t)l * 4u;
 
     uint32_t t = blockIdx.x;
-    if (t >= p.ntiles || rq_refused(p))
+    if (t >= p.ntiles || rq_refused(p.verdict))
         return;
     for (int i = tid; i < NMAG * 32; i += RQTHREADS)
         lut[i] = rq_code_key<TI, TO>(i >> 5, p.rule);
@@ -1127,7 +1127,7 @@ __global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqp
     const int rl = rg * 8, cl = w * 16 + cg * 8;
 
     uint32_t t = blockIdx.x;
-    if (t >= p.ntiles || rq_refused(p))
+    if (t >= p.ntiles || rq_refused(p.verdict))
         return;
     uint32_t raw[2];
     int ok;
@@ -1660,7 +1660,7 @@ __global__ void __launch_bounds__(RQS_THREADS) rq_rows_kernel(const rqparams p)
     constexpr int NW = X ? 4 : 8;                /* input words a segment */
     __shared__ uint4 xs[X ? 1 : RQS_THREADS / 32][64]; /* FP8 input: rq_rows_load's chunks, by warp */
     __shared__ int lut[128];
-    if (rq_refused(p))
+    if (rq_refused(p.verdict))
         return;
     for (int i = threadIdx.x; i < 128; i += RQS_THREADS)
         lut[i] = X ? rq_code_key<TI, TO>((i >> 2) & 7, p.rule) : rq_code_key<TI, TO>(i, p.rule);
@@ -1751,7 +1751,7 @@ __global__ void __launch_bounds__(256) rq_pad_kernel(void *scale, int mode, int 
                                                      int64_t per, int64_t n, const rqgrp *grp, int64_t groups,
                                                      const unsigned long long *verdict)
 {
-    if (verdict && *verdict)
+    if (rq_refused(verdict))
         return;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
         int64_t r, c, k = i % (per > 0 ? per : 1), cols = C;
