@@ -1783,7 +1783,8 @@ __global__ void __launch_bounds__(256) rq_pad_kernel(void *scale, int mode, int 
  * kernels read) and leaves first_inv and done zero for the next call, so no
  * call clears it first. */
 typedef struct rqcheck {
-    unsigned long long first_inv; /* ~index of the first bad block, (e * R + r) * nbi + cb; 0: none */
+    /* ~index of the first bad block, (e * R + r) * nbi + cb (the token rows: t * nbi + cb); 0: none */
+    unsigned long long first_inv;
     unsigned long long verdict;   /* this call's first_inv */
     uint32_t done;                /* CTAs finished */
 } rqcheck;

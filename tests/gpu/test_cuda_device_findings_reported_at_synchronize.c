@@ -225,7 +225,7 @@ int main(void)
 
     /* a bad scale: nothing written, reported once */
     void *tout;
-    GT_CHECK(bad_scale_transpose(gpu, &tout) == FM_OK, "the transpose waited for its check: %s", fm_last_error(gpu));
+    GT_CHECK(bad_scale_transpose(gpu, &tout) == FM_OK, "the transpose refused at once instead of at the synchronize: %s", fm_last_error(gpu));
     {
         unsigned char *h = malloc(128 * 256);
         GT_CUDA(cudaMemcpy(h, tout, 128 * 256, cudaMemcpyDeviceToHost));

@@ -78,8 +78,8 @@ int main(void)
     GT_CUDA(cudaMalloc(&dcomp, (size_t)fm_tensor_scale_nbytes(&cg)));
     cg.scale = dcomp;
     /* The transposes back to row-wise 1 x 128: [0] warm-up, [1] the valid
-     * call under the gate, [2] the call whose input has one bad scale (cw[1]'s
-     * scales with entry 5 set to 3). */
+     * call under the gate, [2] the call whose input has one bad scale (cw[0]'s
+     * scales, which cw[1] gets too, with entry 5 set to 3). */
     fm_tensor rt[3], cbad = cw[1];
     void *drt[3], *drts[3], *dbads;
     const size_t nrt = (size_t)fm_tensor_nbytes(&r[0]);
