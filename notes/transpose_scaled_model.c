@@ -5,13 +5,15 @@
  * too) with spreads of 0-40 octaves, NaN scales, non-finite codes, signed
  * zero columns, codes near the format's maximum, partial tiles. Half
  * precision is modelled exactly: an f16 times a power of two is exact in F32
- * and rounded once by format.h's RNE F32 -> F16, as HMUL2 rounds it.
+ * and rounded once by format.h's RNE F32 -> F16, as HMUL2 rounds it. First,
+ * the kernel's data movement (check_data_movement).
  *   meson setup /tmp/cpu -Dcuda=disabled && ninja -C /tmp/cpu libflowmoe.a
  *   cc -O2 -std=c11 -Iinclude notes/transpose_scaled_model.c /tmp/cpu/libflowmoe.a -lm -lpthread -o /tmp/model
  *   /tmp/model 200000      # tiles; prints the mismatches and how many columns took each path */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "flowmoe/flowmoe.h"
@@ -136,8 +138,111 @@ static void model_tile(fm_dtype t, int rowmax, int R, int C, const uint8_t *code
     }
 }
 
+static uint32_t byte_perm(uint32_t x, uint32_t y, uint32_t s)
+{
+    uint64_t v = ((uint64_t)y << 32) | x;
+    uint32_t r = 0;
+    for (int n = 0; n < 4; n++) {
+        uint32_t b = (s >> (4 * n)) & 7u;
+        r |= (uint32_t)((v >> (8 * b)) & 0xFFu) << (8 * n);
+    }
+    return r;
+}
+
+static void t4(uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3, uint32_t *c0, uint32_t *c1, uint32_t *c2,
+               uint32_t *c3)
+{
+    const uint32_t t0 = byte_perm(r0, r1, 0x5140), t1 = byte_perm(r0, r1, 0x7362);
+    const uint32_t t2 = byte_perm(r2, r3, 0x5140), t3 = byte_perm(r2, r3, 0x7362);
+    *c0 = byte_perm(t0, t2, 0x5410);
+    *c1 = byte_perm(t0, t2, 0x7632);
+    *c2 = byte_perm(t1, t3, 0x5410);
+    *c3 = byte_perm(t1, t3, 0x7632);
+}
+
+/* The data movement: a tile placed as TMA's 128-byte swizzle places it
+ * (address bits 4-6 ^= bits 7-9), read with the kernel's XOR addresses,
+ * transposed with rqf_t4 and put back in order with the lane's selectors:
+ * every lane must end with its 8 columns' 8 logical rows; also the
+ * shared-memory wavefronts of each warp-wide load (2 is the minimum). */
+static int check_data_movement(void)
+{
+    static uint8_t tile[128][128], smem[16384];
+    for (int r = 0; r < 128; r++)
+        for (int c = 0; c < 128; c++)
+            tile[r][c] = (uint8_t)(r * 131 + c * 7 + (r >> 3));
+    /* TMA SWIZZLE_128B: byte address bits [4:6] ^= bits [7:9] */
+    for (int r = 0; r < 128; r++)
+        for (int c = 0; c < 128; c++) {
+            uint32_t a = (uint32_t)(r * 128 + c);
+            a ^= ((a >> 7) & 7u) << 4;
+            smem[a] = tile[r][c];
+        }
+    int bad = 0, worst_wave = 0;
+    for (int w = 0; w < 8; w++) {
+        for (int k = 0; k < 8; k++) {
+            /* wavefronts: distinct 4-byte words per bank over the warp's 32 lanes */
+            uint32_t words[32][32];
+            int nw[32] = {0};
+            for (int lane = 0; lane < 32; lane++) {
+                int rg = lane >> 1, cg = lane & 1, m = rg & 7;
+                uint32_t lane_off = 1024u * rg + 8u * cg + 128u * m + 16u * (w ^ m);
+                uint32_t a = lane_off ^ (144u * k);
+                for (int h = 0; h < 2; h++) {
+                    uint32_t word = (a + 4 * h) / 4, bank = word % 32;
+                    int seen = 0;
+                    for (int i = 0; i < nw[bank]; i++)
+                        seen |= words[bank][i] == word;
+                    if (!seen)
+                        words[bank][nw[bank]++] = word;
+                }
+            }
+            int wave = 0;
+            for (int b = 0; b < 32; b++)
+                wave = nw[b] > wave ? nw[b] : wave;
+            worst_wave = wave > worst_wave ? wave : worst_wave;
+        }
+        for (int lane = 0; lane < 32; lane++) {
+            int rg = lane >> 1, cg = lane & 1, m = rg & 7;
+            uint32_t lane_off = 1024u * rg + 8u * cg + 128u * m + 16u * (w ^ m);
+            uint32_t cw[8][2], col[8][2], sel[2];
+            for (int k = 0; k < 8; k++) {
+                uint32_t a = lane_off ^ (144u * k);
+                memcpy(&cw[k][0], smem + a, 4);
+                memcpy(&cw[k][1], smem + a + 4, 4);
+            }
+            for (int h = 0; h < 2; h++) {
+                sel[h] = 0;
+                for (int b = 0; b < 4; b++)
+                    sel[h] |= (uint32_t)(4 * (h ^ (m >> 2)) + (b ^ (m & 3))) << (4 * b);
+            }
+            for (int h = 0; h < 2; h++)
+                for (int q = 0; q < 2; q++)
+                    t4(cw[4 * h][q], cw[4 * h + 1][q], cw[4 * h + 2][q], cw[4 * h + 3][q], &col[4 * q][h],
+                       &col[4 * q + 1][h], &col[4 * q + 2][h], &col[4 * q + 3][h]);
+            for (int j = 0; j < 8; j++) {
+                uint32_t a = col[j][0], b = col[j][1];
+                col[j][0] = byte_perm(a, b, sel[0]);
+                col[j][1] = byte_perm(a, b, sel[1]);
+            }
+            for (int j = 0; j < 8; j++)
+                for (int r = 0; r < 8; r++) {
+                    uint8_t got = (uint8_t)(col[j][r >> 2] >> (8 * (r & 3)));
+                    uint8_t want = tile[8 * rg + r][16 * w + 8 * cg + j];
+                    if (got != want && bad++ < 5)
+                        printf("w %d lane %d col %d row %d: got %02x want %02x\n", w, lane, j, r, got, want);
+                }
+        }
+    }
+    printf("%d wrong bytes; worst wavefronts of a warp-wide 8-byte load: %d (2 is the minimum for 256 bytes)\n",
+           bad, worst_wave);
+    return bad != 0 || worst_wave != 2;
+}
+
 int main(int argc, char **argv)
 {
+    if (check_data_movement())
+        return 1;
     int iters = argc > 1 ? atoi(argv[1]) : 2000;
     fm_context *ctx;
     if (fm_context_create(&(fm_context_config){.backend = FM_BACKEND_CPU}, &ctx) != FM_OK)
