@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The convergence study of issue 8: fm-train over several seeds, each
 # recipe's final-loss gap to bf16 per seed, then their mean, smallest and
-# largest, and the mean gap of the same final weights run through bf16
-# layers (what training did, apart from the recipe's own forward); with
+# largest, the mean gap of the same final weights run through bf16 layers
+# (what training did, apart from the recipe's own forward) and the mean gap
+# of bf16's final weights run through the recipe's layers (what its forward's
+# format costs alone; gaps.txt files from before that column show "-"); with
 # --control also each recipe's gap minus the control's, seed by seed. Means
 # come with their standard error (sample sd / sqrt(seeds)). One run's gap is
 # not a measure of a recipe (the students' trajectories drift apart
@@ -28,9 +30,10 @@ usage() {
 }
 summary() {
     awk '
-    { printf "seed %s %-14s final %s gap %s%% (bf16 forward: %s%%)\n", $1, $2, $3, $4, $5 }
+    { printf "seed %s %-14s final %s gap %s%% (bf16 forward: %s%%, bf16 weights: %s%%)\n", $1, $2, $3, $4, $5, (NF > 5 ? $6 : "-") }
     $2 != "bf16" {
         n[$2]++; sum[$2] += $4; sq[$2] += $4 * $4; sum16[$2] += $5; gap[$2, $1] = $4
+        if (NF > 5 && $6 != "-") { nf[$2]++; sumf[$2] += $6; sqf[$2] += $6 * $6 }
         if (!($2 in lo) || $4 < lo[$2]) lo[$2] = $4
         if (!($2 in hi) || $4 > hi[$2]) hi[$2] = $4
     }
@@ -38,8 +41,8 @@ summary() {
     function se(s, q, k) { return k > 1 ? sqrt((q - s * s / k) / (k - 1) / k) : -1 }
     function pm(v) { return v < 0 ? "-" : sprintf("%.2f", v) }
     END {
-        print "\n| recipe | seeds | mean gap to bf16 +- SE | smallest | largest | mean gap, final weights through bf16 layers | minus bf16-control, seed by seed, +- SE |"
-        print "|---|---:|---:|---:|---:|---:|---:|"
+        print "\n| recipe | seeds | mean gap to bf16 +- SE | smallest | largest | mean gap, final weights through bf16 layers | mean gap, bf16'"'"'s final weights through its layers +- SE | minus bf16-control, seed by seed, +- SE |"
+        print "|---|---:|---:|---:|---:|---:|---:|---:|"
         split("fp8-blockwise fp8-flow fp8-flow-fp4 bf16-control", order, " ")
         for (i = 1; i <= 4; i++) {
             if (!((r = order[i]) in n))
@@ -56,8 +59,9 @@ summary() {
                 if (k > 0)
                     d = sprintf("%+.2f +- %s", ds / k, pm(se(ds, dq, k)))
             }
-            printf "| %s | %d | %+.2f%% +- %s | %+.2f%% | %+.2f%% | %+.2f%% | %s |\n", r, n[r], sum[r] / n[r],
-                pm(se(sum[r], sq[r], n[r])), lo[r], hi[r], sum16[r] / n[r], d
+            f = r in nf ? sprintf("%+.2f%% +- %s", sumf[r] / nf[r], pm(se(sumf[r], sqf[r], nf[r]))) : "-"
+            printf "| %s | %d | %+.2f%% +- %s | %+.2f%% | %+.2f%% | %+.2f%% | %s | %s |\n", r, n[r], sum[r] / n[r],
+                pm(se(sum[r], sq[r], n[r])), lo[r], hi[r], sum16[r] / n[r], f, d
         }
     }'
 }
@@ -83,8 +87,9 @@ mkdir -p "$out"
 echo "fm-train $* (seeds $first..$last)"
 for s in $(seq "$first" "$last"); do
     "$bin" "$@" --seed "$s" --out "$out/seed-$s" >"$out/seed-$s.txt"
-    # the final table's rows: | recipe | final loss | gap | bf16-forward loss | its gap | ...
+    # the final table's rows: | recipe | final loss | gap | bf16-forward loss | its gap | bf16 weights' loss | its gap | ...
     awk -v s="$s" -F'|' '$2 ~ /^ (bf16|bf16-control|fp8-[a-z0-9-]+) $/ {
-        gsub(/ /, "", $2); gsub(/ /, "", $3); gsub(/[ %]/, "", $4); gsub(/[ %]/, "", $6); print s, $2, $3, $4, $6 }' \
+        gsub(/ /, "", $2); gsub(/ /, "", $3); gsub(/[ %]/, "", $4); gsub(/[ %]/, "", $6); gsub(/[ %]/, "", $8)
+        print s, $2, $3, $4, $6, $8 }' \
         "$out/seed-$s.txt"
 done | tee "$out/gaps.txt" | summary

@@ -1,7 +1,8 @@
 #!/bin/sh
 # fm_train_smoke: fm-train runs a few steps of every recipe on a tiny model and
 # exits 0; loss.csv has its header and one finite, positive row per step, and
-# every recipe's loss went down; loss.svg holds a curve per recipe; --control
+# every recipe's loss went down; the final table evaluates bf16's weights
+# through every recipe's layers; loss.svg holds a curve per recipe; --control
 # adds a perturbed bf16 column; --ep 2 trains over two in-process ranks to
 # what one rank gives (first-step loss within 1e-3 relative: the forward
 # differs only by the BF16 rounding of each rank's partial sums); a bad flag
@@ -19,7 +20,7 @@ fail() {
 
 rm -rf "$out"
 "$exe" --steps $steps --layers 2 --hidden 128 --ffn 64 --experts 4 --topk 2 --tokens 64 --threads 1 \
-    --out "$out" || fail "fm-train exited with status $?"
+    --out "$out" >"$out.txt" || fail "fm-train exited with status $?"
 csv=$out/loss.csv
 [ -f "$csv" ] || fail "no $csv"
 lines=$(wc -l <"$csv")
@@ -38,6 +39,16 @@ awk -F, -v steps=$steps '
         }
     }
     END { exit bad }' "$csv" || fail "$csv is wrong (above)"
+# The final table: bf16's own final weights through bf16 layers are its final
+# loss again; through each FP8 recipe's layers, a finite positive loss and a gap.
+awk -F'|' '
+    $2 ~ /^ (bf16|fp8-[a-z0-9-]+) $/ {
+        rows++
+        if ($2 == " bf16 " && $7 + 0 != $3 + 0) { print "bf16: its weights through bf16 layers give " $7 ", its final loss is " $3; bad = 1 }
+        if ($2 != " bf16 " && (!($7 + 0 > 0) || $8 !~ /^ [+-][0-9.]+% $/)) { print $2 ": bf16'"'"'s weights through its layers: \"" $7 "\", gap \"" $8 "\""; bad = 1 }
+    }
+    END { if (rows != 4) { print rows " table rows, want 4"; bad = 1 } exit bad }' "$out.txt" ||
+    fail "the final table is wrong (above)"
 svg=$out/loss.svg
 [ -f "$svg" ] || fail "no $svg"
 curves=$(grep -c '<polyline' "$svg")

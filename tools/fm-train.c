@@ -350,6 +350,7 @@ typedef struct {
     double info_saved;
     double eval_loss;       /* mean loss of the final weights on the held-out batches */
     double eval_bf16;       /* the same weights through bf16 layers: training apart from the forward's format */
+    double eval_fwd;        /* bf16's final weights through this recipe's layers: the forward's format alone */
 } student;
 
 struct ep_group;
@@ -700,27 +701,41 @@ static int evaluate(trainer *tr, student *s, const float *xs, const float *ys, d
     return 0;
 }
 
-/* Student s's final weights through bf16 layers on the held-out batches: a
- * low-precision recipe's gap to bf16 is then what its training did to the
- * weights, without its own forward's quantization on top. */
-static int evaluate_in_bf16(trainer *tr, student *s, const float *xs, const float *ys)
+/* Student w's final weights through layers of `recipe` on the held-out batches. */
+static int evaluate_as(trainer *tr, fm_recipe recipe, student *w, const float *xs, const float *ys, double *loss)
 {
-    if (s->recipe == FM_RECIPE_BF16) {
-        s->eval_bf16 = s->eval_loss;
-        return 0;
-    }
     const int64_t L = tr->o->layers;
-    student ev = {.recipe = FM_RECIPE_BF16, .blocks = calloc((size_t)L, sizeof(block))};
+    student ev = {.recipe = recipe, .blocks = calloc((size_t)L, sizeof(block))};
     int rc = !ev.blocks;
     if (rc)
         fprintf(stderr, "%s: out of host memory\n", prog);
     for (int64_t l = 0; l < L && !rc; l++)
-        rc = block_create(tr, FM_RECIPE_BF16, &ev.blocks[l], &s->blocks[l]);
+        rc = block_create(tr, recipe, &ev.blocks[l], &w->blocks[l]);
     if (!rc)
-        rc = evaluate(tr, &ev, xs, ys, &s->eval_bf16);
+        rc = evaluate(tr, &ev, xs, ys, loss);
     for (int64_t l = 0; ev.blocks && l < L; l++)
         block_destroy(tr, &ev.blocks[l]);
     free(ev.blocks);
+    return rc;
+}
+
+/* A low-precision recipe's gap to bf16, taken apart (bf16 is the student of
+ * that recipe without --control; NULL when the run has none):
+ *  - s's final weights through bf16 layers: what its training did to the
+ *    weights, without its own forward's quantization on top;
+ *  - bf16's final weights through s's layers: what its forward's format costs
+ *    on weights it did not train. */
+static int evaluate_apart(trainer *tr, student *s, student *bf16, const float *xs, const float *ys)
+{
+    if (s->recipe == FM_RECIPE_BF16) {
+        s->eval_bf16 = s->eval_loss;
+        s->eval_fwd = bf16 ? bf16->eval_loss : NAN;
+        return 0;
+    }
+    s->eval_fwd = NAN;
+    int rc = evaluate_as(tr, FM_RECIPE_BF16, s, xs, ys, &s->eval_bf16);
+    if (!rc && bf16)
+        rc = evaluate_as(tr, s->recipe, bf16, xs, ys, &s->eval_fwd);
     return rc;
 }
 
@@ -798,18 +813,24 @@ static void print_table(const trainer *tr, const student *st)
             bi = r, base = st[r].eval_loss;
     int64_t n = o->steps < LAST_STEPS ? o->steps : LAST_STEPS;
     printf("\n| recipe | final loss (%d held-out batches) | gap to bf16 | the same weights, bf16 forward | gap to bf16 | "
-           "training loss (last %lld) | casts / layer-step | saved for backward / layer | tokens/s |\n",
+           "bf16's weights, this forward | gap to bf16 | training loss (last %lld) | casts / layer-step | "
+           "saved for backward / layer | tokens/s |\n",
            EVAL_BATCHES, (long long)n);
-    printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    printf("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for (int r = 0; r < o->nstudents; r++) {
         const student *s = &st[r];
-        char gap[32] = "-", gap16[32] = "-";
+        char gap[32] = "-", gap16[32] = "-", fwd[32] = "-", gapf[32] = "-";
         if (bi >= 0 && r != bi) {
             snprintf(gap, sizeof gap, "%+.2f%%", 100.0 * (s->eval_loss - base) / base);
             snprintf(gap16, sizeof gap16, "%+.2f%%", 100.0 * (s->eval_bf16 - base) / base);
         }
-        printf("| %s | %.4e | %s | %.4e | %s | %.4e | %lld | %.0f B (%.1f KiB) | %.0f |\n", s->name,
-               s->eval_loss, gap, s->eval_bf16, gap16, final_loss(s, o->steps), (long long)s->info_casts,
+        if (bi >= 0) {
+            snprintf(fwd, sizeof fwd, "%.4e", s->eval_fwd);
+            if (r != bi)
+                snprintf(gapf, sizeof gapf, "%+.2f%%", 100.0 * (s->eval_fwd - base) / base);
+        }
+        printf("| %s | %.4e | %s | %.4e | %s | %s | %s | %.4e | %lld | %.0f B (%.1f KiB) | %.0f |\n", s->name,
+               s->eval_loss, gap, s->eval_bf16, gap16, fwd, gapf, final_loss(s, o->steps), (long long)s->info_casts,
                s->info_saved, s->info_saved / 1024.0,
                s->seconds > 0 ? (double)(o->tokens * o->steps) / s->seconds : 0);
     }
@@ -987,8 +1008,12 @@ static int run(trainer *tr, student *st)
         }
         for (int r = 0; r < o->nstudents && !rc; r++)
             rc = evaluate(tr, &st[r], xs, ys, &st[r].eval_loss);
+        student *bf16 = NULL;
+        for (int r = 0; r < o->nstudents && !bf16; r++)
+            if (st[r].recipe == FM_RECIPE_BF16 && !st[r].control)
+                bf16 = &st[r];
         for (int r = 0; r < o->nstudents && !rc; r++)
-            rc = evaluate_in_bf16(tr, &st[r], xs, ys);
+            rc = evaluate_apart(tr, &st[r], bf16, xs, ys);
         free(xs), free(ys);
     }
     if (rc || !lead)
