@@ -19,8 +19,9 @@ fail() {
 }
 
 rm -rf "$out"
+mkdir -p "$out" || fail "cannot create $out"
 "$exe" --steps $steps --layers 2 --hidden 128 --ffn 64 --experts 4 --topk 2 --tokens 64 --threads 1 \
-    --out "$out" >"$out.txt" || fail "fm-train exited with status $?"
+    --out "$out" >"$out/stdout.txt" || fail "fm-train exited with status $?"
 csv=$out/loss.csv
 [ -f "$csv" ] || fail "no $csv"
 lines=$(wc -l <"$csv")
@@ -47,7 +48,7 @@ awk -F'|' '
         if ($2 == " bf16 " && $7 + 0 != $3 + 0) { print "bf16: its weights through bf16 layers give " $7 ", its final loss is " $3; bad = 1 }
         if ($2 != " bf16 " && (!($7 + 0 > 0) || $8 !~ /^ [+-][0-9.]+% $/)) { print $2 ": bf16'"'"'s weights through its layers: \"" $7 "\", gap \"" $8 "\""; bad = 1 }
     }
-    END { if (rows != 4) { print rows " table rows, want 4"; bad = 1 } exit bad }' "$out.txt" ||
+    END { if (rows != 4) { print rows " table rows, want 4"; bad = 1 } exit bad }' "$out/stdout.txt" ||
     fail "the final table is wrong (above)"
 svg=$out/loss.svg
 [ -f "$svg" ] || fail "no $svg"
