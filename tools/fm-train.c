@@ -701,6 +701,15 @@ static int evaluate(trainer *tr, student *s, const float *xs, const float *ys, d
     return 0;
 }
 
+/* The bf16 student (not --control's) that every gap is to, or -1. */
+static int bf16_student(const student *st, int n)
+{
+    for (int r = 0; r < n; r++)
+        if (st[r].recipe == FM_RECIPE_BF16 && !st[r].control)
+            return r;
+    return -1;
+}
+
 /* Student w's final weights through layers of `recipe` on the held-out batches. */
 static int evaluate_as(trainer *tr, fm_recipe recipe, student *w, const float *xs, const float *ys, double *loss)
 {
@@ -806,11 +815,8 @@ static int write_outputs(const options *o, const student *st)
 static void print_table(const trainer *tr, const student *st)
 {
     const options *o = tr->o;
-    double base = NAN;
-    int bi = -1; /* the bf16 student every gap is to */
-    for (int r = 0; r < o->nstudents && bi < 0; r++)
-        if (st[r].recipe == FM_RECIPE_BF16 && !st[r].control)
-            bi = r, base = st[r].eval_loss;
+    const int bi = bf16_student(st, o->nstudents);
+    const double base = bi >= 0 ? st[bi].eval_loss : NAN;
     int64_t n = o->steps < LAST_STEPS ? o->steps : LAST_STEPS;
     printf("\n| recipe | final loss (%d held-out batches) | gap to bf16 | the same weights, bf16 forward | gap to bf16 | "
            "bf16's weights, this forward | gap to bf16 | training loss (last %lld) | casts / layer-step | "
@@ -1008,12 +1014,9 @@ static int run(trainer *tr, student *st)
         }
         for (int r = 0; r < o->nstudents && !rc; r++)
             rc = evaluate(tr, &st[r], xs, ys, &st[r].eval_loss);
-        student *bf16 = NULL;
-        for (int r = 0; r < o->nstudents && !bf16; r++)
-            if (st[r].recipe == FM_RECIPE_BF16 && !st[r].control)
-                bf16 = &st[r];
+        const int bi = bf16_student(st, o->nstudents);
         for (int r = 0; r < o->nstudents && !rc; r++)
-            rc = evaluate_apart(tr, &st[r], bf16, xs, ys);
+            rc = evaluate_apart(tr, &st[r], bi >= 0 ? &st[bi] : NULL, xs, ys);
         free(xs), free(ys);
     }
     if (rc || !lead)
