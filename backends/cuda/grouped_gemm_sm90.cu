@@ -41,6 +41,7 @@
 #include <string.h>
 
 #include "cuda.h"
+#include "sm90.cuh"
 
 /* The tile's rows come from CWG consumer warpgroups of 64 rows each, its
  * columns are BN, both template parameters of the kernel (CWG 3 with BN 128,
@@ -92,54 +93,23 @@ typedef struct {
 #endif
 
 #if GM_SM90A
-__device__ static __forceinline__ uint32_t gm_sa(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-__device__ static __forceinline__ void gm_bar_init(uint64_t *b, int count)
-{
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(gm_sa(b)), "r"(count) : "memory");
-}
-
-__device__ static __forceinline__ void gm_bar_wait(uint64_t *b, int parity)
-{
-    uint32_t done;
-    do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                     : "=r"(done)
-                     : "r"(gm_sa(b)), "r"(parity)
-                     : "memory");
-    } while (!done);
-}
-
-__device__ static __forceinline__ void gm_bar_expect(uint64_t *b, uint32_t bytes)
-{
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(gm_sa(b)), "r"(bytes) : "memory");
-}
-
-/* One box of a 2-D tensor map into shared memory; c0 runs along K. */
-__device__ static __forceinline__ void gm_tma_load(void *dst, const CUtensorMap *map, uint64_t *bar, int c0, int c1)
-{
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];"
-                 ::"r"(gm_sa(dst)), "l"((uint64_t)map), "r"(gm_sa(bar)), "r"(c0), "r"(c1)
-                 : "memory");
-}
-
 /* `bytes` (a multiple of 16, both addresses 16-byte aligned) from global
  * memory into shared memory, completing on `bar`. */
 __device__ static __forceinline__ void gm_bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar)
 {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(gm_sa(dst)), "l"((uint64_t)src), "r"(bytes), "r"(gm_sa(bar))
+                 ::"r"(sm90_sa(dst)), "l"((uint64_t)src), "r"(bytes), "r"(sm90_sa(bar))
                  : "memory");
 }
 
-/* As gm_tma_load, into the same offset of every CTA of the cluster in
+/* As sm90_tma_load_2d, into the same offset of every CTA of the cluster in
  * `mask`, completing on each one's barrier at that offset. */
 __device__ static __forceinline__ void gm_tma_load_mc(void *dst, const CUtensorMap *map, uint64_t *bar, int c0, int c1,
                                                       uint16_t mask)
 {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
                  " [%0], [%1, {%3, %4}], [%2], %5;"
-                 ::"r"(gm_sa(dst)), "l"((uint64_t)map), "r"(gm_sa(bar)), "r"(c0), "r"(c1), "h"(mask)
+                 ::"r"(sm90_sa(dst)), "l"((uint64_t)map), "r"(sm90_sa(bar)), "r"(c0), "r"(c1), "h"(mask)
                  : "memory");
 }
 
@@ -147,7 +117,7 @@ __device__ static __forceinline__ void gm_tma_load_mc(void *dst, const CUtensorM
 __device__ static __forceinline__ void gm_bar_arrive_cta(uint64_t *b, uint32_t cta)
 {
     uint32_t remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(gm_sa(b)), "r"(cta));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(sm90_sa(b)), "r"(cta));
     asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
 
@@ -297,7 +267,7 @@ __device__ static __forceinline__ void gm_issue(float *part, uint32_t sm, uint64
                                                 uint32_t s_sb, int s, int ph, int kb, int wg, int sa_row, int odd,
                                                 float ts, float *s0, float *s1)
 {
-    gm_bar_wait(&full[s], ph);
+    sm90_bar_wait(&full[s], ph);
 #pragma unroll
     for (int q = 0; q < 3; q++)
         s0[q] = s1[q] = ts;
@@ -343,7 +313,7 @@ __device__ static __forceinline__ void gm_retire(float *acc, float *part, uint64
             for (uint32_t c = 0; c < CL; c++)
                 gm_bar_arrive_cta(&empty[s], c);
         else
-            asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(gm_sa(&empty[s])) : "memory");
+            sm90_bar_arrive(&empty[s]);
     }
 #pragma unroll
     for (int j = 0; j < BN / 8; j++) {
@@ -522,10 +492,10 @@ template <int CWG, int BN>
 __device__ static __forceinline__ void gm_bars_init(uint64_t *full, uint64_t *empty, int arrivals)
 {
     for (int s = 0; s < GM_STAGES; s++) {
-        gm_bar_init(&full[s], 1);
-        gm_bar_init(&empty[s], arrivals);
+        sm90_bar_init(&full[s], 1);
+        sm90_bar_init(&empty[s], arrivals);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    sm90_bar_init_fence();
 }
 
 /* Registers per thread: the producer warpgroup gives back what the
@@ -664,20 +634,20 @@ __global__ void __launch_bounds__(GM_THREADS, 1)
                 nb = nb * CL + rank;
                 int arow = row_pfx[e] + mb * GM_BM, brow = e * p.n + nb * GM_BN;
                 for (int kb = 0; kb < nkb; kb++) {
-                    gm_bar_wait(&empty[s], ph ^ 1);
+                    sm90_bar_wait(&empty[s], ph ^ 1);
                     unsigned char *st = sm + s * GM_STAGE_BYTES;
-                    gm_bar_expect(&full[s], GM_STAGE_BYTES + (BLK ? GM_SA_BOX * 4 + 16 * (BN == 128 ? 1 : 2) : 0));
+                    sm90_bar_expect(&full[s], GM_STAGE_BYTES + (BLK ? GM_SA_BOX * 4 + 16 * (BN == 128 ? 1 : 2) : 0));
                     if (CL > 1)
                         gm_tma_load_mc(st + rank * (GM_BM / CL) * GM_BK, &map_a, &full[s], kb * GM_BK,
                                        arow + rank * (GM_BM / CL), (uint16_t)((1u << CL) - 1));
                     else
-                        gm_tma_load(st, &map_a, &full[s], kb * GM_BK, arow);
-                    gm_tma_load(st + GM_TILE_A, &map_b, &full[s], kb * GM_BK, brow);
+                        sm90_tma_load_2d(st, &map_a, &full[s], kb * GM_BK, arow);
+                    sm90_tma_load_2d(st + GM_TILE_A, &map_b, &full[s], kb * GM_BK, brow);
                     if (BLK) {
                         /* Scales through the copy engine too: read from global
                          * memory by the consumers, their latency stalled every
                          * K block (ncu: 30% of the samples). */
-                        gm_tma_load(s_sa + s * (GM_SA_BYTES / 4), &map_sa, &full[s], arow & ~3, kb);
+                        sm90_tma_load_2d(s_sa + s * (GM_SA_BYTES / 4), &map_sa, &full[s], arow & ~3, kb);
                         gm_load_sb<BN>(s_sb + s * (GM_SB_BYTES / 4), p.sb + e * p.sb_es, p.sb_ns, nb, (p.n + 127) / 128,
                                        kb, &full[s]);
                     }
@@ -688,7 +658,7 @@ __global__ void __launch_bounds__(GM_THREADS, 1)
     } else {
         gm_regs<CWG, 0>();
         const int wg = warp >> 2, wr = (warp & 3) * 16 + (lane >> 2);
-        const uint32_t sm_u = gm_sa(sm), sa_u = gm_sa(s_sa), sb_u = gm_sa(s_sb);
+        const uint32_t sm_u = sm90_sa(sm), sa_u = sm90_sa(s_sa), sb_u = sm90_sa(s_sb);
         /* One partial accumulator: kept in flight with a second one (block
          * kb + 1 issued before block kb's promotion) the kernel ran 11% slower;
          * the other consumer warpgroups keep the tensor cores busy instead. */
@@ -711,7 +681,7 @@ __global__ void __launch_bounds__(GM_THREADS, 1)
             for (int kb = 0; kb < nkb; kb++)
                 gm_kblock<TA, TB, BLK, CL, CWG, BN>(acc, part, sm_u, full, empty, sa_u, sb_u, &s, &ph, kb, wg, sa_row,
                                                     nb & 1, ts, lane);
-            const uint32_t buf = gm_sa(epi) + warp * 1024;
+            const uint32_t buf = sm90_sa(epi) + warp * 1024;
             const int wr0 = mb * GM_BM + wg * 64 + (warp & 3) * 16; /* the warp's first expert row */
             if (DF32)
                 gm_store_f32<BN>(&p, acc, buf, lane, wr0, row_pfx[e], m_e, nb * GM_BN);
@@ -782,11 +752,11 @@ __global__ void __launch_bounds__(GM_THREADS, 1) gk_kernel(const __grid_constant
                 const uint32_t sab = (uint32_t)(p.sa_ld - r0 < GM_BM ? p.sa_ld - r0 : GM_BM) * 4;
                 const float *sa = p.sa[g] + r0, *sb = p.sb[g];
                 for (int kb = 0; kb < nkb; kb++) {
-                    gm_bar_wait(&empty[s], ph ^ 1);
+                    sm90_bar_wait(&empty[s], ph ^ 1);
                     unsigned char *st = sm + s * GM_STAGE_BYTES;
-                    gm_bar_expect(&full[s], GM_STAGE_BYTES + sab + 16 * (BN == 128 ? 1 : 2));
-                    gm_tma_load(st, &p.a[g], &full[s], kb * GM_BK, r0);
-                    gm_tma_load(st + GM_TILE_A, &p.b[g], &full[s], kb * GM_BK, nb * GM_BN);
+                    sm90_bar_expect(&full[s], GM_STAGE_BYTES + sab + 16 * (BN == 128 ? 1 : 2));
+                    sm90_tma_load_2d(st, &p.a[g], &full[s], kb * GM_BK, r0);
+                    sm90_tma_load_2d(st + GM_TILE_A, &p.b[g], &full[s], kb * GM_BK, nb * GM_BN);
                     gm_bulk_load(s_sa + s * (GM_SA_BYTES / 4), sa + (long long)kb * p.sa_ld, sab, &full[s]);
                     gm_load_sb<BN>(s_sb + s * (GM_SB_BYTES / 4), sb, sb_ns, nb, nblk, kb, &full[s]);
                     gm_next<CWG, BN>(&s, &ph);
@@ -796,7 +766,7 @@ __global__ void __launch_bounds__(GM_THREADS, 1) gk_kernel(const __grid_constant
     } else {
         gm_regs<CWG, 0>();
         const int wg = warp >> 2, wr = (warp & 3) * 16 + (lane >> 2);
-        const uint32_t sm_u = gm_sa(sm), sa_u = gm_sa(s_sa), sb_u = gm_sa(s_sb), buf = gm_sa(epi) + warp * 1024;
+        const uint32_t sm_u = sm90_sa(sm), sa_u = sm90_sa(s_sa), sb_u = sm90_sa(s_sb), buf = sm90_sa(epi) + warp * 1024;
         float acc[BN / 2], part[BN / 2];
 #pragma unroll
         for (int i = 0; i < BN / 2; i++)
@@ -825,26 +795,6 @@ __global__ void __launch_bounds__(GM_THREADS, 1) gk_kernel(const __grid_constant
 
 /* ---- host ---------------------------------------------------------------- */
 
-/* The driver's tensor-map encoder, looked up through the runtime so that the
- * library needs no link against libcuda. Racing first calls store the same
- * pointer. */
-static PFN_cuTensorMapEncodeTiled_v12000 gm_encoder(void)
-{
-    static void *fn;
-    static int looked;
-    if (!looked) {
-        void *f = NULL;
-        cudaDriverEntryPointQueryResult q;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) !=
-                cudaSuccess ||
-            q != cudaDriverEntryPointSuccess)
-            f = NULL;
-        fn = f;
-        looked = 1;
-    }
-    return (PFN_cuTensorMapEncodeTiled_v12000)fn;
-}
-
 static int gm_fp8(fm_dtype t) { return t == FM_DTYPE_E4M3 || t == FM_DTYPE_E5M2; }
 
 /* What both kernels need (NULL: met): a 9.0 GPU, FP8 operands, BF16 or F32
@@ -858,7 +808,7 @@ static const char *gm_why_not_common(fm_context *ctx, fm_dtype ta, fm_dtype tb, 
         return "takes FP8 (E4M3/E5M2) operands only";
     if (td != FM_DTYPE_BF16 && td != FM_DTYPE_F32)
         return "writes BF16 or F32 only";
-    if (!gm_encoder())
+    if (!sm90_tensor_map_encoder())
         return "needs the driver's cuTensorMapEncodeTiled, which this driver does not give";
     return NULL;
 }
@@ -1027,7 +977,7 @@ static fm_status gm_map(fm_context *ctx, CUtensorMap *m, const void *base, int f
     cuuint64_t strides[1] = {(cuuint64_t)pitch};
     cuuint32_t box[2] = {(cuuint32_t)box_inner, (cuuint32_t)box_outer};
     cuuint32_t es[2] = {1, 1};
-    CUresult r = gm_encoder()(m, fp32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_UINT8, 2,
+    CUresult r = sm90_tensor_map_encoder()(m, fp32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_UINT8, 2,
                               (void *)base, dims, strides, box, es, CU_TENSOR_MAP_INTERLEAVE_NONE,
                               fp32 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B,
                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);

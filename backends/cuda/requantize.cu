@@ -63,6 +63,7 @@
 
 #include "cuda.h"
 #include "kernels.cuh"
+#include "sm90.cuh"
 
 #define RQT 128
 #define RQTHREADS 256
@@ -94,6 +95,7 @@ typedef struct rqparams {
     int tile; /* a BLOCK_128x128 output of a 1x128 input (ROWMAX): one exponent per 128 x 128 tile */
     int vec_in, vec_out;
     int vec_in16; /* rows of whole 16-byte chunks from a 16-byte aligned base (FP8) */
+    int tma;      /* the call may take rq_fp8t_tma_kernel (rq_tma_fits) */
     int64_t R, C;     /* stored input matrix */
     int64_t Ro, Co;   /* stored output matrix */
     int64_t nbi, nbo; /* blocks per stored input / output row */
@@ -1402,6 +1404,376 @@ __global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqp
     asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
+/* ---- the plain FP8 -> FP8 1x128 transpose, fed by TMA ----------------------
+ * rq_fp8t_kernel's arithmetic for the commonest call (E4M3 -> E4M3 or E5M2
+ * -> E5M2, 1 x 128 F32 scales -> 128 x 1, TIGHT or ROWMAX, one matrix or a
+ * stack of experts), with the tile's instructions cut where that kernel
+ * spends them (notes/transpose_scaled.md has the counts and the H200 runs
+ * that say the old kernel runs on instructions and latency, not DRAM):
+ *  - a producer warp streams each tile's codes into a ring of RQT_STAGES
+ *    stages with one TMA copy (128-byte swizzle, zeros past the matrix) and
+ *    its 128 row exponents and their maximum Q and minimum, completing on a
+ *    "full" mbarrier; the 8 consumer warps hand a stage back on an "empty"
+ *    one as soon as they hold it in registers. No CTA-wide barrier per tile:
+ *    each warp owns 16 whole output blocks (columns) and runs on its own.
+ *  - each code is decoded once: s = h x 2^(p_in - Q) in half precision, the
+ *    column maxima of |s| give the block exponents (the maximum is exact when
+ *    it is at least rqf_thr, as in rq_fp8t_kernel), and the output code is
+ *    enc(s x 2^(Q - p_out)), one multiply by the column's power of two. That
+ *    equals RNE(code x 2^(p_in - p_out)) whenever every product s is exact
+ *    (no row more than L octaves below Q) or, for E4M3, when Q - p_out <= 6:
+ *    an inexact s is below 2^-20, and a row dropped by the factor table (more
+ *    than 24 octaves below Q) below 1.75 x 2^-17, so either times 2^6 still
+ *    rounds to zero as its exact value does. Other columns take the exact
+ *    per-element path (rqf_slow_col), blocks whose maximum is below rqf_thr
+ *    the exact key (rqf_exact_key).
+ *  - each lane stores its 8 columns' 8 rows as 8-byte pieces: a warp's store
+ *    covers two whole 128-byte output rows, no shared staging.
+ * Lane l of consumer warp w holds rows 8 rg .. 8 rg + 7 (rg = l / 2) of
+ * columns 16 w + 8 cg .. + 7 (cg = l % 2). With the 128-byte swizzle, row r's
+ * 16-byte chunk w sits at chunk w ^ (r % 8); reading its rows in the order
+ * k ^ (rg % 8) spreads a warp's 32 loads over all banks, and two byte
+ * permutes a column put the rows back in order. */
+
+#define RQT_STAGES 4
+#define RQT_CONSUMERS 8
+#define RQT_THREADS (32 * (RQT_CONSUMERS + 1))
+/* Codes (1024-byte aligned stages, 1 KiB of slack to align the base), then
+ * per stage the 128 row exponents and the tile's (Q, smallest exponent). */
+#define RQT_DYN_SMEM (1024 + RQT_STAGES * (RQT * RQT + RQT * 4 + 8))
+
+template <int T>
+struct rqt_fmt {
+    static const int kbias = T == FM_DTYPE_E4M3 ? 23 : 30; /* 15 + the element's emax: f16 K -> p_out - Q */
+    static const int exact_rows = T == FM_DTYPE_E4M3 ? 15 : 8; /* octaves below Q that keep every s exact */
+    static const uint32_t kfast = rqf_thr<T>::v > 0x400u ? rqf_thr<T>::v : 0x400u; /* exact and normal */
+};
+
+template <int T>
+__global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __grid_constant__ CUtensorMap map,
+                                                                     const rqparams p)
+{
+    extern __shared__ uint8_t rqt_dyn[];
+    __shared__ uint64_t full[RQT_STAGES], empty[RQT_STAGES];
+    __shared__ uint32_t flut[RQF_NLUT];
+    __shared__ __align__(16) int slow_pin[RQT_CONSUMERS][RQT]; /* the exact paths read exponents through a pointer */
+
+    if (blockIdx.x >= p.ntiles || rq_refused(p.verdict))
+        return;
+    /* offsets from rqt_dyn keep the accesses in the shared window (LDS, not generic loads) */
+    uint8_t *const codes = rqt_dyn + ((1024u - (sm90_sa(rqt_dyn) & 1023u)) & 1023u);
+    int *const exps = (int *)(codes + RQT_STAGES * RQT * RQT);
+    int2 *const qmin = (int2 *)(exps + RQT_STAGES * RQT);
+    const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31;
+    if (tid == 0) {
+        for (int s = 0; s < RQT_STAGES; s++) {
+            sm90_bar_init(&full[s], 33); /* the producer's 32 lanes, and lane 0's byte count */
+            sm90_bar_init(&empty[s], RQT_CONSUMERS);
+        }
+        sm90_bar_init_fence();
+    }
+    if (tid < RQF_NLUT)
+        flut[tid] = rqf_factor_bits(tid);
+    __syncthreads();
+
+    if (w == RQT_CONSUMERS) {
+        /* The producer: tile t's codes by TMA, its row exponents by loads. */
+        int i = 0;
+        for (uint32_t t = blockIdx.x; t < p.ntiles; t += gridDim.x, i++) {
+            const int s = i % RQT_STAGES, ph = (i / RQT_STAGES) & 1;
+            if (i >= RQT_STAGES)
+                sm90_bar_wait(&empty[s], ph ^ 1);
+            uint32_t te, tr, tc;
+            fm_tile_place(p.ntr, p.ntc, t, &te, &tc, &tr);
+            const rqtile tl = rq_tile<false>(p, t);
+            if (lane == 0) {
+                sm90_bar_expect(&full[s], RQT * RQT);
+                sm90_tma_load_3d(codes + s * RQT * RQT, &map, &full[s], (int)tl.c0, (int)tl.r0, (int)te);
+            }
+            uint32_t raw[4];
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const int64_t r = tl.r0 + lane + 32 * k;
+                raw[k] = r < tl.R ? ((const uint32_t *)p.in_scale)[rq_scale_off(p.in_mode, p.in_layout, p.R, p.C, p.nbi,
+                                                                                p.bi_shift, tl.sin0, r, tl.c0)]
+                                  : 0u;
+            }
+            int hi = RQ_EMPTY, lo = -RQ_EMPTY;
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const int pin = tl.r0 + lane + 32 * k < tl.R ? rq_pin(raw[k], 0) : RQ_EMPTY;
+                exps[s * RQT + lane + 32 * k] = pin;
+                if (rq_pin_valid(pin)) {
+                    hi = rq_max(hi, pin);
+                    lo = rq_min(lo, pin);
+                }
+            }
+            hi = __reduce_max_sync(0xFFFFFFFFu, hi);
+            lo = __reduce_min_sync(0xFFFFFFFFu, lo);
+            if (lane == 0)
+                qmin[s] = make_int2(hi, lo);
+            sm90_bar_arrive(&full[s]);
+        }
+        return;
+    }
+
+    const int rg = lane >> 1, cg = lane & 1, m = rg & 7, cl = 16 * w + 8 * cg;
+    /* Byte selectors that put the lane's rows back in order (see above). */
+    uint32_t sel[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        sel[h] = 0;
+#pragma unroll
+        for (int b = 0; b < 4; b++)
+            sel[h] |= (uint32_t)(4 * (h ^ (m >> 2)) + (b ^ (m & 3))) << (4 * b);
+    }
+    const uint32_t lane_off = 1024u * rg + 8u * cg + 128u * m + 16u * (w ^ m);
+    const bool rowmax = p.rule == FM_REQUANT_ROWMAX;
+    int i = 0;
+    for (uint32_t t = blockIdx.x; t < p.ntiles; t += gridDim.x, i++) {
+        const int s = i % RQT_STAGES, ph = (i / RQT_STAGES) & 1;
+        sm90_bar_wait(&full[s], ph);
+        uint32_t cw[8][2];
+        {
+            /* row 8 rg + (k ^ m), physical chunk w ^ k ^ m: the stage base and
+             * 8 cg + 1024 rg leave bits 4-9 clear, so each load's address is
+             * this lane's first one XOR 144 k */
+            const uint32_t a0 = sm90_sa(codes + s * RQT * RQT) + lane_off;
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                uint32_t x, y;
+                asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(x), "=r"(y) : "r"(a0 ^ (144u * k)) : "memory");
+                cw[k][0] = x;
+                cw[k][1] = y;
+            }
+        }
+        int pk[8];
+        {
+            const int4 a = *(const int4 *)&exps[s * RQT + 8 * rg], b = *(const int4 *)&exps[s * RQT + 8 * rg + 4];
+            pk[0] = a.x, pk[1] = a.y, pk[2] = a.z, pk[3] = a.w, pk[4] = b.x, pk[5] = b.y, pk[6] = b.z, pk[7] = b.w;
+        }
+        const int2 qm = qmin[s];
+        __syncwarp();
+        if (lane == 0)
+            sm90_bar_arrive(&empty[s]);
+
+        /* col[j][h]: column j, rows 4 h .. 4 h + 3 */
+        uint32_t col[8][2];
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int q = 0; q < 2; q++)
+                rqf_t4(cw[4 * h][q], cw[4 * h + 1][q], cw[4 * h + 2][q], cw[4 * h + 3][q], &col[4 * q][h],
+                       &col[4 * q + 1][h], &col[4 * q + 2][h], &col[4 * q + 3][h]);
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const uint32_t a = col[j][0], b = col[j][1];
+            col[j][0] = __byte_perm(a, b, sel[0]);
+            col[j][1] = __byte_perm(a, b, sel[1]);
+        }
+
+        const int Q = qm.x == RQ_EMPTY ? 0 : qm.x;
+        /* s = h x 2^(p_in - Q), two rows a word: sv[j][q] holds rows 2 q, 2 q + 1 of column j */
+        uint32_t sv[8][4];
+        {
+            uint32_t F[4];
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+                F[q] = rqf_factor(flut, pk[2 * q], Q) | (rqf_factor(flut, pk[2 * q + 1], Q) << 16);
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    const uint32_t h = rqf_h2<T>(col[j][q >> 1] >> (16 * (q & 1)));
+                    const __half2 y = __hmul2(*(const __half2 *)&h, *(const __half2 *)&F[q]);
+                    sv[j][q] = *(const uint32_t *)&y;
+                }
+        }
+
+        /* 1. block exponents of the lane's 8 columns (every lane of a column's 16 gets them) */
+        int po[8];
+        bool fail = false;
+        if (rowmax) {
+            const uint32_t nfb = rqf_nonfinite_cols<T>(col, pk, true);
+            const int pq = Q < -127 ? -127 : Q > 127 ? 127 : Q; /* a tile of no finite row is all NaN */
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                po[j] = (nfb >> j) & 1u ? RQ_BADP : pq;
+        } else {
+            uint32_t kp[4];
+#pragma unroll
+            for (int i2 = 0; i2 < 4; i2++) {
+                uint32_t mx[2];
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    const uint32_t *v = sv[2 * i2 + e];
+                    mx[e] = __vmaxu2(__vimax3_u16x2(v[0] & 0x7FFF7FFFu, v[1] & 0x7FFF7FFFu, v[2] & 0x7FFF7FFFu),
+                                     v[3] & 0x7FFF7FFFu);
+                }
+                kp[i2] = rqf_block_max<true>(__vmaxu2(__byte_perm(mx[0], mx[1], 0x5410), __byte_perm(mx[0], mx[1], 0x7632)),
+                                             true);
+            }
+            /* Common case, without branches: every K exact and normal, none non-finite. */
+            const uint32_t kmin = __vminu2(__vminu2(kp[0], kp[1]), __vminu2(kp[2], kp[3]));
+            const uint32_t kmax = __vmaxu2(__vmaxu2(kp[0], kp[1]), __vmaxu2(kp[2], kp[3]));
+            const bool plain = rq_min((int)(kmin & 0xFFFFu), (int)(kmin >> 16)) >= (int)rqt_fmt<T>::kfast &&
+                               rq_max((int)(kmax & 0xFFFFu), (int)(kmax >> 16)) < 0x7C00;
+            if (plain) {
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    const int K = (int)((kp[j >> 1] >> (16 * (j & 1))) & 0xFFFFu);
+                    po[j] = min(max(Q - rqt_fmt<T>::kbias + ((K + 0xFF) >> 10), -127), 127);
+                }
+            } else
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const uint32_t K = (kp[j >> 1] >> (16 * (j & 1))) & 0xFFFFu;
+                int key;
+                if (K >= 0x7C00u)
+                    key = RQ_BADP;
+                else if (K >= rqt_fmt<T>::kfast)
+                    key = Q + (int)((K + 0xFFu) >> 10) - rqt_fmt<T>::kbias;
+                else if (K >= rqf_thr<T>::v)
+                    key = fm_pow2_scale_exp(__half2float(__ushort_as_half((unsigned short)K)), (fm_dtype)T) + Q;
+                else {
+                    key = RQF_FAIL;
+                    fail = true;
+                }
+                po[j] = key == RQ_BADP || key == RQF_FAIL ? key : key < -127 ? -127 : key > 127 ? 127 : key;
+            }
+        }
+        const bool slow_keys = __any_sync(0xFFFFFFFFu, fail);
+        if (slow_keys) {
+            /* The CPU's keys, element by element, for the blocks K could not settle (warp-wide reductions). */
+            *(int4 *)&slow_pin[w][8 * rg] = make_int4(pk[0], pk[1], pk[2], pk[3]);
+            *(int4 *)&slow_pin[w][8 * rg + 4] = make_int4(pk[4], pk[5], pk[6], pk[7]);
+            __syncwarp();
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const int ck = (int)rqf_block_max<false>(
+                    (uint32_t)rqf_exact_key<T, T>(col[j][0], col[j][1], &slow_pin[w][8 * rg], p.rule), true);
+                if (po[j] == RQF_FAIL)
+                    po[j] = rq_block_exp(ck);
+            }
+        }
+
+        const rqtile tl = rq_tile<false>(p, t);
+        /* one lane a column stores its scale: lane rg < 8 has column rg */
+        {
+            int pv = po[0];
+#pragma unroll
+            for (int j = 1; j < 8; j++)
+                pv = rg == j ? po[j] : pv;
+            const int64_t ro = tl.c0 + cl + rg;
+            if (rg < 8 && ro < p.Ro)
+                rq_put_scale(p, tl, ro, tl.r0, pv == RQ_BADP, pv);
+        }
+
+        /* 2. codes: enc(s x 2^(Q - p_out)), or the exact path (see the top comment) */
+        const int dmax = qm.y >= Q - rqt_fmt<T>::exact_rows ? 15 : T == FM_DTYPE_E4M3 ? 6 : -1;
+        bool fast = true;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const int d = Q - po[j];
+            fast = fast && d >= 0 && d <= dmax; /* never for RQ_BADP */
+        }
+        const int64_t oc = tl.r0 + 8 * rg;
+        const int ncol = oc < tl.Co ? (int)min((int64_t)8, p.Ro - (tl.c0 + cl)) : 0; /* columns to store */
+        uint8_t *o = tl.out + (tl.c0 + cl) * tl.Co + oc;
+        if (fast) {
+#pragma unroll
+            for (int j = 0; j < 8; j++, o += tl.Co) {
+                const uint32_t M = ((uint32_t)(15 + Q - po[j]) << 10) * 0x10001u;
+                uint32_t e[4];
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    const __half2 y = __hmul2(*(const __half2 *)&sv[j][q], *(const __half2 *)&M);
+                    e[q] = rqf_enc2<T>(*(const uint32_t *)&y);
+                }
+                if (j < ncol)
+                    __stcs((uint2 *)o, make_uint2(e[0] | (e[1] << 16), e[2] | (e[3] << 16)));
+            }
+            continue;
+        }
+        if (!slow_keys) {
+            *(int4 *)&slow_pin[w][8 * rg] = make_int4(pk[0], pk[1], pk[2], pk[3]);
+            *(int4 *)&slow_pin[w][8 * rg + 4] = make_int4(pk[4], pk[5], pk[6], pk[7]);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++, o += tl.Co) {
+            const int d = Q - po[j];
+            uint2 v;
+            if (d >= 0 && d <= dmax) {
+                const uint32_t M = ((uint32_t)(15 + d) << 10) * 0x10001u;
+                uint32_t e[4];
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    const __half2 y = __hmul2(*(const __half2 *)&sv[j][q], *(const __half2 *)&M);
+                    e[q] = rqf_enc2<T>(*(const uint32_t *)&y);
+                }
+                v = make_uint2(e[0] | (e[1] << 16), e[2] | (e[3] << 16));
+            } else if (po[j] == RQ_BADP)
+                v = make_uint2(fm_nan_word<T>(), fm_nan_word<T>());
+            else
+                v = rqf_slow_col<T, T>(col[j][0], col[j][1], &slow_pin[w][8 * rg], po[j]);
+            if (j < ncol)
+                __stcs((uint2 *)o, v);
+        }
+    }
+}
+
+/* Whether rq_fp8t_tma_kernel may take the call (host; the dtypes are the
+ * caller's): a plain FP8 1x128 -> 128x1 transpose with F32 scales, rows of
+ * whole 16-byte pieces for TMA, 8-byte output pieces, compute capability
+ * 9.0 and the driver's tensor-map encoder. FLOWMOE_RQ_TMA=0 keeps
+ * rq_fp8t_kernel (for comparisons). */
+static int rq_tma_fits(const rqparams &p, const cudaDeviceProp &prop, int same_dtype, int tr)
+{
+    static int knob = -1;
+    if (knob < 0) {
+        const char *v = getenv("FLOWMOE_RQ_TMA");
+        knob = !(v && v[0] == '0');
+    }
+    return knob && same_dtype && tr && !p.grp && !p.rmap && !p.tile && p.in_mode == FM_SCALE_BLOCK_1x128 &&
+           p.out_mode == FM_SCALE_BLOCK_1x128 && !p.in_e8 && !p.out_e8 &&
+           (p.rule == FM_REQUANT_TIGHT || p.rule == FM_REQUANT_ROWMAX) && p.C % 16 == 0 &&
+           (uintptr_t)p.in % 16 == 0 && p.R % 8 == 0 && (uintptr_t)p.out % 8 == 0 && prop.major == 9 &&
+           prop.minor == 0 && sm90_tensor_map_encoder() != NULL;
+}
+
+/* The TMA kernel on a grid of the CTAs that fit at once; cudaErrorNotSupported
+ * when the tensor map cannot be made (the caller then runs rq_fp8t_kernel). */
+template <int T>
+static cudaError_t rq_tma_launch(const rqparams &p, int sms, cudaStream_t s)
+{
+    const int64_t E = (int64_t)p.ntiles / ((int64_t)p.ntr.d * p.ntc.d);
+    CUtensorMap map;
+    const cuuint64_t dims[3] = {(cuuint64_t)p.C, (cuuint64_t)p.R, (cuuint64_t)E};
+    const cuuint64_t strides[2] = {(cuuint64_t)p.C, (cuuint64_t)(p.R * p.C)};
+    const cuuint32_t box[3] = {RQT, RQT, 1}, es[3] = {1, 1, 1};
+    if (sm90_tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, (void *)p.in, dims, strides, box, es,
+                                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+        return cudaErrorNotSupported;
+    static int attr = 0, cache = 0;
+    cudaError_t err;
+    if (!__atomic_load_n(&attr, __ATOMIC_RELAXED)) {
+        err = cudaFuncSetAttribute(rq_fp8t_tma_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, RQT_DYN_SMEM);
+        if (err != cudaSuccess)
+            return err;
+        __atomic_store_n(&attr, 1, __ATOMIC_RELAXED);
+    }
+    int per = 0;
+    if ((err = rq_ctas_per_sm(rq_fp8t_tma_kernel<T>, RQT_THREADS, RQT_DYN_SMEM, &cache, &per)) != cudaSuccess)
+        return err;
+    int64_t g = (int64_t)(per > 0 ? per : 1) * (sms > 0 ? sms : 1);
+    if (g > (int64_t)p.ntiles)
+        g = p.ntiles;
+    rq_fp8t_tma_kernel<T><<<(unsigned)g, RQT_THREADS, RQT_DYN_SMEM, s>>>(map, p);
+    return cudaGetLastError();
+}
+
 /* ---- row-wise conversions: a thread per 32-element row segment ------------
  * fm_convert_scaled between the row-block modes (1 x 128, MX32) when rows
  * split into whole segments (C a multiple of 32, of 128 for a 1 x 128
@@ -1913,6 +2285,13 @@ static cudaError_t rq_launch3(const rqparams &p, int sms, cudaStream_t s)
     static int cache = 0;
     int per = 0;
     cudaError_t err;
+    if constexpr (F && !G && TI == TO) {
+        if (p.tma) {
+            err = rq_tma_launch<TI>(p, sms, s);
+            if (err != cudaErrorNotSupported)
+                return err;
+        }
+    }
     if constexpr (F) {
         static int attr = 0; /* the dynamic shared memory above 48 KiB, allowed once */
         if (!__atomic_load_n(&attr, __ATOMIC_RELAXED)) {
@@ -2197,6 +2576,8 @@ static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_
         p.vec_out = p.Co % 16 == 0 && oa % 16 == 0;
     else
         p.vec_out = p.Co % 8 == 0 && oa % 8 == 0;
+
+    p.tma = !sp && rq_tma_fits(p, fm_cuda(ctx)->prop, in->dtype == out->dtype, tr);
 
     cudaError_t err = cudaSuccess;
     const char *what = op;
