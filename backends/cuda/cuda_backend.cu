@@ -135,12 +135,17 @@ static fm_status cuda_synchronize(fm_context *ctx)
     cudaError_t err = cudaSuccess;
     if (s->q1_stream)
         err = cudaStreamSynchronize(s->q1_stream);
+    if (err != cudaSuccess) {
+        /* Still wait for the context's stream: the caller may free what its
+         * ops use as soon as this returns, error or not. */
+        cudaStreamSynchronize(q0);
+        return fm_cuda_check(ctx, err, "fm_context_synchronize");
+    }
     /* The read and the clear on the context's stream, finished before this
      * returns: no later op (either queue) can post before the clear lands. */
     fm_cuda_pending *h = (fm_cuda_pending *)s->host_small;
     h->state = 0;
-    if (err == cudaSuccess)
-        err = cudaMemcpyAsync(h, s->pending, sizeof *h, cudaMemcpyDeviceToHost, q0);
+    err = cudaMemcpyAsync(h, s->pending, sizeof *h, cudaMemcpyDeviceToHost, q0);
     if (err == cudaSuccess)
         err = cudaStreamSynchronize(q0);
     if (err == cudaSuccess && h->state) {

@@ -42,7 +42,9 @@ const char *fm_last_error(const fm_context *ctx);
 
 /* CUDA backend: the stream every op is queued on (a cudaStream_t; NULL = the
  * legacy default stream). Work already queued on the previous stream comes
- * first: the new stream waits for it (an event, not the host). FM_ERR_UNSUPPORTED
+ * first: the new stream waits for it (an event, not the host), so the previous
+ * stream must still exist when this is called: set the next stream before
+ * destroying the current one (the event is recorded on it). FM_ERR_UNSUPPORTED
  * on the CPU backend. */
 fm_status fm_context_set_stream(fm_context *ctx, void *stream);
 void *fm_context_stream(const fm_context *ctx);
@@ -98,7 +100,11 @@ typedef struct fm_stats {
     int64_t casts_to_high;     /* explicit casts low -> high (dequantize) */
     int64_t bytes_read;        /* bytes the ops read from tensors (data + scales) */
     int64_t bytes_written;     /* bytes the ops wrote */
-    int64_t op_calls;          /* successful op calls, all ops */
+    int64_t op_calls;          /* successful op calls, all ops: on CUDA, the calls
+                                * that returned FM_OK, including one whose input
+                                * only the device could refuse (reported by the
+                                * next fm_context_synchronize, which does not
+                                * take back its counts) */
     int64_t calls[FM_OP_COUNT_];
 } fm_stats;
 
