@@ -256,6 +256,9 @@ static const bcase cases[] = {
     {"transpose_scaled_grouped_rows E4M3 1x128 row -> 128x128 col (ROWMAX), 8 experts x 4096 of 4096 token rows, trusted POW2 scales (fp8-flow's x)", OP_TRANSPOSE_ROWS, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128, 1, 0},
     {"transpose_scaled_grouped E4M3 1x128 row->col, 8 ragged experts (not multiples of 16)", OP_TRANSPOSE_GROUPED, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 0, 0},
     {"transpose_scaled E4M3 MX32 row->col", OP_TRANSPOSE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_MX32, 0, 0},
+    /* No arithmetic (codes copied, the scale grid transposed): what the transposed access
+     * pattern itself costs, the ceiling for the rows above. */
+    {"transpose_scaled E4M3 128x128 row->col (bytes only)", OP_TRANSPOSE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128, 1, 0},
     {"transpose_scaled E2M1 MX32 row->col", OP_TRANSPOSE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E2M1, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E2M1, FM_SCALE_MX32, 0, 0},
     /* From 1x128 (F32 scales) the op checks that every scale is a power of two and reads the
      * verdict back before it writes (a stream synchronisation, on the clock); from MX32 (E8M0)
