@@ -1,5 +1,5 @@
-/* Host model of rq_fp8t_tma_kernel's arithmetic (notes/transpose_scaled_tma.patch,
- * not in the build), one 128 x 128 tile of a 1x128 -> 128x1 transpose with
+/* Host model of rq_fp8t_tma_kernel's arithmetic (backends/cuda/requantize.cu;
+ * this model is not in the build), one 128 x 128 tile of a 1x128 -> 128x1 transpose with
  * TI == TO, checked bit for bit against the CPU reference fm_transpose_scaled
  * on random tiles: row exponents over the whole F32 range (subnormal scales
  * too) with spreads of 0-40 octaves, NaN scales, non-finite codes, signed
