@@ -1092,24 +1092,34 @@ static void xv_transpose_scaled_grouped(xv_env *x, xv_counts *cnt)
     static const int64_t s_edge[] = {0, 1, 127, 128, 129, 0, 300}, s_one[] = {0, 0, 515, 0};
     static const int64_t s_single[] = {1}, s_empty[] = {0, 0};
     static const int64_t Ns[] = {128, 130, 1000, 32, 258, 2};
+    /* Variants 6 and 7: every group whole 128-row tiles (the layer's padded experts) and N a
+     * multiple of 16, the TMA kernel's grouped case; 6 fixed, 7 random. */
+    static const int64_t s_whole[] = {128, 0, 384, 256, 0, 128}, Nw[] = {128, 272, 1024, 32};
     long serial = 0;
     for (int fi = 0; fi < NRQFMTS && !x->cuda_broken; fi++)
         for (int fo = 0; fo < NRQFMTS && !x->cuda_broken; fo++)
-            for (int v = 0; v < 6 && !x->cuda_broken; v++) {
+            for (int v = 0; v < 8 && !x->cuda_broken; v++) {
                 serial++;
                 if (x->quick && serial % 3)
                     continue;
                 const xv_rqfmt *a = &rq_fmts[fi], *b = &rq_fmts[fo];
                 const int e2m1_out = b->elem == FM_DTYPE_E2M1;
                 int64_t sz[12], G;
-                const int64_t *src = v == 0 ? s_edge : v == 1 ? s_one : v == 2 ? s_single : v == 3 ? s_empty : NULL;
-                G = v == 0 ? 7 : v == 1 ? 4 : v == 2 ? 1 : v == 3 ? 2 : 12;
+                const int64_t *src = v == 0   ? s_edge
+                                     : v == 1 ? s_one
+                                     : v == 2 ? s_single
+                                     : v == 3 ? s_empty
+                                     : v == 6 ? s_whole
+                                              : NULL;
+                G = v == 0 ? 7 : v == 1 ? 4 : v == 2 ? 1 : v == 3 ? 2 : v == 6 ? 6 : 12;
                 for (int64_t g = 0; g < G; g++) {
-                    sz[g] = src ? src[g] : (rnd(x) % 4 == 0 ? 0 : rndi(x, 1, v == 5 ? 2000 : 300));
+                    sz[g] = src      ? src[g]
+                            : v == 7 ? 128 * (rnd(x) % 4 == 0 ? 0 : rndi(x, 1, 8))
+                                     : (rnd(x) % 4 == 0 ? 0 : rndi(x, 1, v == 5 ? 2000 : 300));
                     if (e2m1_out)
                         sz[g] += sz[g] & 1; /* odd groups are refused for E2M1 outputs: see below */
                 }
-                int64_t N = Ns[serial % 6];
+                int64_t N = v >= 6 ? Nw[serial % 4] : Ns[serial % 6];
                 if (a->elem == FM_DTYPE_E2M1 && (N & 1))
                     N++;
                 int same = a->elem == b->elem && a->mode == b->mode;

@@ -1406,8 +1406,9 @@ __global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqp
 
 /* ---- the plain FP8 -> FP8 1x128 transpose, fed by TMA ----------------------
  * rq_fp8t_kernel's arithmetic for the commonest call (E4M3 -> E4M3 or E5M2
- * -> E5M2, 1 x 128 F32 scales -> 128 x 1, TIGHT or ROWMAX, one matrix or a
- * stack of experts), with the tile's instructions cut where that kernel
+ * -> E5M2, 1 x 128 F32 scales -> 128 x 1, TIGHT or ROWMAX, one matrix, a
+ * stack of experts, or (G) fm_transpose_scaled_grouped's groups when each
+ * is whole 128-row tiles), with the tile's instructions cut where that kernel
  * spends them (notes/transpose_scaled.md has the counts and the H200 runs
  * that say the old kernel runs on instructions and latency, not DRAM):
  *  - a producer warp streams each tile's codes into a ring of RQT_STAGES
@@ -1449,7 +1450,7 @@ struct rqt_fmt {
     static const uint32_t kfast = rqf_thr<T>::v > 0x400u ? rqf_thr<T>::v : 0x400u; /* exact and normal */
 };
 
-template <int T>
+template <int T, bool G>
 __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __grid_constant__ CUtensorMap map,
                                                                      const rqparams p)
 {
@@ -1483,19 +1484,23 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
             const int s = i % RQT_STAGES, ph = (i / RQT_STAGES) & 1;
             if (i >= RQT_STAGES)
                 sm90_bar_wait(&empty[s], ph ^ 1);
-            uint32_t te, tr, tc;
-            fm_tile_place(p.ntr, p.ntc, t, &te, &tc, &tr);
-            const rqtile tl = rq_tile<false>(p, t);
+            uint32_t te = 0;
+            if (!G) {
+                uint32_t tr, tc;
+                fm_tile_place(p.ntr, p.ntc, t, &te, &tc, &tr);
+            }
+            const rqtile tl = rq_tile<G>(p, t);
             if (lane == 0) {
                 sm90_bar_expect(&full[s], RQT * RQT);
-                sm90_tma_load_3d(codes + s * RQT * RQT, &map, &full[s], (int)tl.c0, (int)tl.r0, (int)te);
+                sm90_tma_load_3d(codes + s * RQT * RQT, &map, &full[s], (int)tl.c0, (int)(tl.srow + tl.r0), (int)te);
             }
             uint32_t raw[4];
 #pragma unroll
             for (int k = 0; k < 4; k++) {
                 const int64_t r = tl.r0 + lane + 32 * k;
                 raw[k] = r < tl.R ? ((const uint32_t *)p.in_scale)[rq_scale_off(p.in_mode, p.in_layout, p.R, p.C, p.nbi,
-                                                                                p.bi_shift, tl.sin0, r, tl.c0)]
+                                                                                p.bi_shift, tl.sin0, tl.srow + r,
+                                                                                tl.c0)]
                                   : 0u;
             }
             int hi = RQ_EMPTY, lo = -RQ_EMPTY;
@@ -1657,7 +1662,7 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
             }
         }
 
-        const rqtile tl = rq_tile<false>(p, t);
+        const rqtile tl = rq_tile<G>(p, t);
         /* one lane a column stores its scale: lane rg < 8 has column rg */
         {
             int pv = po[0];
@@ -1725,16 +1730,18 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
 /* Whether rq_fp8t_tma_kernel may take the call (host; the dtypes are the
  * caller's): a plain FP8 1x128 -> 128x1 transpose with F32 scales, rows of
  * whole 16-byte pieces for TMA, 8-byte output pieces, compute capability
- * 9.0 and the driver's tensor-map encoder. FLOWMOE_RQ_TMA=0 keeps
- * rq_fp8t_kernel (for comparisons). */
-static int rq_tma_fits(const rqparams &p, const cudaDeviceProp &prop, int same_dtype, int tr)
+ * 9.0 and the driver's tensor-map encoder; grouped, only groups of whole
+ * 128-row tiles (no TMA box then crosses into the next group, and p.rows_first
+ * is 0). FLOWMOE_RQ_TMA=0 keeps rq_fp8t_kernel (for comparisons). */
+static int rq_tma_fits(const rqparams &p, const cudaDeviceProp &prop, int same_dtype, int tr, int grouped)
 {
     static int knob = -1;
     if (knob < 0) {
         const char *v = getenv("FLOWMOE_RQ_TMA");
         knob = !(v && v[0] == '0');
     }
-    return knob && same_dtype && tr && !p.grp && !p.rmap && !p.tile && p.in_mode == FM_SCALE_BLOCK_1x128 &&
+    return knob && same_dtype && tr && !(grouped && p.rows_first) && !p.rmap && !p.tile &&
+           p.in_mode == FM_SCALE_BLOCK_1x128 &&
            p.out_mode == FM_SCALE_BLOCK_1x128 && !p.in_e8 && !p.out_e8 &&
            (p.rule == FM_REQUANT_TIGHT || p.rule == FM_REQUANT_ROWMAX) && p.C % 16 == 0 &&
            (uintptr_t)p.in % 16 == 0 && p.R % 8 == 0 && (uintptr_t)p.out % 8 == 0 && prop.major == 9 &&
@@ -1743,10 +1750,10 @@ static int rq_tma_fits(const rqparams &p, const cudaDeviceProp &prop, int same_d
 
 /* The TMA kernel on a grid of the CTAs that fit at once; cudaErrorNotSupported
  * when the tensor map cannot be made (the caller then runs rq_fp8t_kernel). */
-template <int T>
+template <int T, bool G>
 static cudaError_t rq_tma_launch(const rqparams &p, int sms, cudaStream_t s)
 {
-    const int64_t E = (int64_t)p.ntiles / ((int64_t)p.ntr.d * p.ntc.d);
+    const int64_t E = G ? 1 : (int64_t)p.ntiles / ((int64_t)p.ntr.d * p.ntc.d);
     CUtensorMap map;
     const cuuint64_t dims[3] = {(cuuint64_t)p.C, (cuuint64_t)p.R, (cuuint64_t)E};
     const cuuint64_t strides[2] = {(cuuint64_t)p.C, (cuuint64_t)(p.R * p.C)};
@@ -1759,18 +1766,18 @@ static cudaError_t rq_tma_launch(const rqparams &p, int sms, cudaStream_t s)
     static int attr = 0, cache = 0;
     cudaError_t err;
     if (!__atomic_load_n(&attr, __ATOMIC_RELAXED)) {
-        err = cudaFuncSetAttribute(rq_fp8t_tma_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, RQT_DYN_SMEM);
+        err = cudaFuncSetAttribute(rq_fp8t_tma_kernel<T, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, RQT_DYN_SMEM);
         if (err != cudaSuccess)
             return err;
         __atomic_store_n(&attr, 1, __ATOMIC_RELAXED);
     }
     int per = 0;
-    if ((err = rq_ctas_per_sm(rq_fp8t_tma_kernel<T>, RQT_THREADS, RQT_DYN_SMEM, &cache, &per)) != cudaSuccess)
+    if ((err = rq_ctas_per_sm(rq_fp8t_tma_kernel<T, G>, RQT_THREADS, RQT_DYN_SMEM, &cache, &per)) != cudaSuccess)
         return err;
     int64_t g = (int64_t)(per > 0 ? per : 1) * (sms > 0 ? sms : 1);
     if (g > (int64_t)p.ntiles)
         g = p.ntiles;
-    rq_fp8t_tma_kernel<T><<<(unsigned)g, RQT_THREADS, RQT_DYN_SMEM, s>>>(map, p);
+    rq_fp8t_tma_kernel<T, G><<<(unsigned)g, RQT_THREADS, RQT_DYN_SMEM, s>>>(map, p);
     return cudaGetLastError();
 }
 
@@ -2285,9 +2292,9 @@ static cudaError_t rq_launch3(const rqparams &p, int sms, cudaStream_t s)
     static int cache = 0;
     int per = 0;
     cudaError_t err;
-    if constexpr (F && !G && TI == TO) {
+    if constexpr (F && TI == TO) {
         if (p.tma) {
-            err = rq_tma_launch<TI>(p, sms, s);
+            err = rq_tma_launch<TI, G>(p, sms, s);
             if (err != cudaErrorNotSupported)
                 return err;
         }
@@ -2577,7 +2584,7 @@ static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_
     else
         p.vec_out = p.Co % 8 == 0 && oa % 8 == 0;
 
-    p.tma = !sp && rq_tma_fits(p, fm_cuda(ctx)->prop, in->dtype == out->dtype, tr);
+    p.tma = rq_tma_fits(p, fm_cuda(ctx)->prop, in->dtype == out->dtype, tr, sp != NULL);
 
     cudaError_t err = cudaSuccess;
     const char *what = op;

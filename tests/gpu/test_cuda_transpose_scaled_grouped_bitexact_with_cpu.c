@@ -1,7 +1,8 @@
 /* CUDA fm_transpose_scaled_grouped writes the CPU reference's bytes (codes,
  * the grouped scale arrays, GEMM-layout padding, nonfinite count) for every
  * input / output format pair, ragged splits with empty groups and groups of
- * 1, 127, 128 and 129 rows, all rows in one group, and NaN blocks, and the
+ * 1, 127, 128 and 129 rows, groups all of whole 128-row tiles, all rows in
+ * one group, and NaN blocks, and the
  * ROWMAX transpose into BLOCK_128x128 (one scale a tile); nothing
  * past the grouped layout is written; non-power-of-two scales are refused
  * alike. fm-xval runs a wider matrix; this is the short form. The same for
@@ -273,12 +274,14 @@ int main(void)
     fm_context *cpu = gt_cpu_context();
     static const int64_t s_edge[] = {0, 1, 127, 128, 129, 0, 300}, s_edge2[] = {0, 2, 126, 128, 130, 0, 300};
     static const int64_t s_one[] = {0, 0, 515, 0}, s_one2[] = {0, 0, 516, 0};
+    /* whole 128-row tiles in every group (the layer's padded experts): the TMA kernel's grouped case */
+    static const int64_t s_whole[] = {128, 0, 384, 256, 0, 128};
     int64_t s_rand[8];
     static const int64_t Ns[] = {7168 / 28, 200, 130, 64};
     int c = 0;
     for (int a = 0; a < NF; a++)
         for (int b = 0; b < NF; b++)
-            for (int v = 0; v < 3; v++, c++) {
+            for (int v = 0; v < 4; v++, c++) {
                 const int e2m1_out = fmts[b].dt == FM_DTYPE_E2M1;
                 const int64_t *sz;
                 int64_t G;
@@ -288,6 +291,9 @@ int main(void)
                 } else if (v == 1) {
                     sz = e2m1_out ? s_one2 : s_one;
                     G = 4;
+                } else if (v == 3) {
+                    sz = s_whole;
+                    G = 6;
                 } else {
                     for (int g = 0; g < 8; g++) {
                         s_rand[g] = rnd() % 4 == 0 ? 0 : (int64_t)(rnd() % 400);
@@ -302,7 +308,9 @@ int main(void)
                     rule = FM_REQUANT_ROWMAX;
                 else if (c % 3 == 2 && fmts[b].m == FM_SCALE_MX32)
                     rule = FM_REQUANT_MX_FLOOR;
-                run_case(cpu, gpu, sz, G, Ns[c % 4], fmts[a], fmts[b], rule, (fm_scale_layout)(c & 1),
+                /* N a multiple of 16 with whole groups, as the TMA kernel needs (272, 288: a partial column tile) */
+                const int64_t N = v == 3 ? 256 + 16 * (c % 3) : Ns[c % 4];
+                run_case(cpu, gpu, sz, G, N, fmts[a], fmts[b], rule, (fm_scale_layout)(c & 1),
                          (fm_scale_layout)((c >> 1) & 1), c % 5 == 0, 0);
             }
     /* ROWMAX into one scale per 128 x 128 tile of each group (the flow
