@@ -831,6 +831,18 @@ FM_DI void rqf_t4(uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3, uint32_t *
     *c3 = __byte_perm(t1, t3, 0x7632);
 }
 
+/* 8 rows of 8 bytes (cw[k][q]: row k, columns 4 q .. 4 q + 3) -> col[j][h]:
+ * column j, rows 4 h .. 4 h + 3. */
+FM_DI void rqf_t8(const uint32_t (&cw)[8][2], uint32_t (&col)[8][2])
+{
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+        for (int q = 0; q < 2; q++)
+            rqf_t4(cw[4 * h][q], cw[4 * h + 1][q], cw[4 * h + 2][q], cw[4 * h + 3][q], &col[4 * q][h],
+                   &col[4 * q + 1][h], &col[4 * q + 2][h], &col[4 * q + 3][h]);
+}
+
 /* Factors 2^(p - Q) as half bits, by e = clamp(p - Q, -26, 1) + 26: 0 for
  * rows more than 24 octaves below Q and outside the matrix (RQ_EMPTY), NaN
  * for a NaN scale (RQ_NAN_ROW); p <= Q otherwise. */
@@ -1220,12 +1232,7 @@ __global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqp
                 cw[k][0] = v.x;
                 cw[k][1] = v.y;
             }
-#pragma unroll
-            for (int h = 0; h < 2; h++)
-#pragma unroll
-                for (int q = 0; q < 2; q++)
-                    rqf_t4(cw[4 * h][q], cw[4 * h + 1][q], cw[4 * h + 2][q], cw[4 * h + 3][q], &col[4 * q][h],
-                           &col[4 * q + 1][h], &col[4 * q + 2][h], &col[4 * q + 3][h]);
+            rqf_t8(cw, col);
         }
 
         int pk[8];
@@ -1575,12 +1582,7 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
 
         /* col[j][h]: column j, rows 4 h .. 4 h + 3 */
         uint32_t col[8][2];
-#pragma unroll
-        for (int h = 0; h < 2; h++)
-#pragma unroll
-            for (int q = 0; q < 2; q++)
-                rqf_t4(cw[4 * h][q], cw[4 * h + 1][q], cw[4 * h + 2][q], cw[4 * h + 3][q], &col[4 * q][h],
-                       &col[4 * q + 1][h], &col[4 * q + 2][h], &col[4 * q + 3][h]);
+        rqf_t8(cw, col);
 #pragma unroll
         for (int j = 0; j < 8; j++) {
             const uint32_t a = col[j][0], b = col[j][1];
