@@ -361,4 +361,31 @@ FM_DI void fm_tile_place(fm_fastdiv ntc, fm_fastdiv ntr, uint32_t t, uint32_t *e
     *tr = tq - *e * ntr.d;
 }
 
+/* Programmatic dependent launch (sm_90). A kernel that fm_launch starts with
+ * pdl set may begin while the kernel before it in the stream still runs (once
+ * each CTA of that one has called fm_pdl_release or exited), so a prologue
+ * that reads only older data overlaps that kernel's tail and the launch gap.
+ * It must call fm_pdl_wait before it reads what that kernel writes and
+ * before its own first write: the wait returns when that kernel has finished
+ * and its writes are visible (at once in a kernel launched without pdl). */
+FM_DI void fm_pdl_wait(void) { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+FM_DI void fm_pdl_release(void) { asm volatile("griddepcontrol.launch_dependents;"); }
+
+template <typename... P, typename... A>
+static cudaError_t fm_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, int pdl,
+                             A &&...args)
+{
+    cudaLaunchAttribute at;
+    at.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t lc = {};
+    lc.gridDim = grid;
+    lc.blockDim = block;
+    lc.dynamicSmemBytes = smem;
+    lc.stream = s;
+    lc.attrs = &at;
+    lc.numAttrs = pdl ? 1 : 0;
+    return cudaLaunchKernelEx(&lc, kernel, args...);
+}
+
 #endif

@@ -275,7 +275,7 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
      * wait at griddepcontrol.wait) once every tile CTA has started: its
      * launch then overlaps this grid's last wave. */
     if constexpr (TM)
-        asm volatile("griddepcontrol.launch_dependents;");
+        fm_pdl_release();
     for (int64_t t = blockIdx.x; t < p.ntiles; t += gridDim.x) {
         int64_t e, r0, c0;
         if (BM || IN != FM_DTYPE_BF16) {
@@ -749,7 +749,7 @@ typedef struct qscatter {
 __global__ void __launch_bounds__(256, 8) quant_scale_scatter_kernel(const qscatter s)
 {
     __shared__ uint32_t sm[32][129];
-    asm volatile("griddepcontrol.wait;" ::: "memory"); /* the tile kernel's scales (a PDL launch) */
+    fm_pdl_wait(); /* the tile kernel's scales (a PDL launch) */
     const uint32_t n0 = s.items[0], n = n0 + s.items[1], tid = threadIdx.x;
     for (uint32_t it = blockIdx.x; it < n; it += gridDim.x) {
         const int part = it >= n0;
@@ -1085,17 +1085,10 @@ extern "C" fm_status fm_cuda_quantize(fm_context *ctx, const fm_quant_config *cf
                 q.perw[k] = p.o[k].e8 ? p.o[k].per / 4 : p.o[k].per;
                 q.items[k] = (uint32_t)(E * (k ? p.ntc : p.ntr) * fm_cdiv(k ? p.ntr : p.ntc, 32));
             }
-            /* Programmatic dependent launch: see quant_tile_kernel's griddepcontrol. */
-            cudaLaunchAttribute at;
-            at.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-            at.val.programmaticStreamSerializationAllowed = 1;
-            cudaLaunchConfig_t lc = {};
-            lc.gridDim = dim3(grid_for(q.items[0] + q.items[1], (int64_t)cs->prop.multiProcessorCount * 8));
-            lc.blockDim = dim3(256);
-            lc.stream = s;
-            lc.attrs = &at;
-            lc.numAttrs = 1;
-            err = cudaLaunchKernelEx(&lc, quant_scale_scatter_kernel, q);
+            /* Programmatic dependent launch: see quant_tile_kernel's fm_pdl_release. */
+            err = fm_launch(quant_scale_scatter_kernel,
+                            grid_for(q.items[0] + q.items[1], (int64_t)cs->prop.multiProcessorCount * 8), 256, 0, s,
+                            1, q);
         }
     }
 out:
