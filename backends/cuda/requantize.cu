@@ -47,8 +47,11 @@
  * written. The host does not wait for it: on a bad scale every later kernel
  * of the call returns at once (outputs untouched) and the finding waits in
  * the context until fm_context_synchronize reports it (cuda.h,
- * fm_cuda_pending). E8M0 scales need no check, nor do scales the caller
- * vouches for (cfg->trusted_pow2_scales). No call waits for the device.
+ * fm_cuda_pending). The kernel after the check is a programmatic dependent
+ * launch: it may start, and load, while the check runs, and waits for it in
+ * rq_refused before its first write. E8M0 scales need no check, nor do
+ * scales the caller vouches for (cfg->trusted_pow2_scales). No call waits
+ * for the device.
  *
  * The tile kernel below serves conversions and the transposes with an E2M1
  * side; FP8 -> FP8 transposes take rq_fp8t_kernel (further down), and
@@ -97,6 +100,7 @@ typedef struct rqparams {
     int vec_in16; /* rows of whole 16-byte chunks from a 16-byte aligned base (FP8) */
     int tma;      /* the call may take rq_fp8t_tma_kernel (rq_tma_fits) */
     int cols_first; /* plain tiles: tile columns fastest (rq_place), for the TMA kernel */
+    int pdl;        /* host: the call's kernel directly follows the check, and may start during it (fm_launch) */
     int64_t R, C;     /* stored input matrix */
     int64_t Ro, Co;   /* stored output matrix */
     int64_t nbi, nbo; /* blocks per stored input / output row */
@@ -122,8 +126,14 @@ typedef struct rqparams {
 } rqparams;
 
 /* A call whose check found a bad scale writes nothing: each kernel of the
- * call returns at once (stream order makes the check's verdict visible). */
-FM_DI bool rq_refused(const unsigned long long *verdict) { return verdict && *verdict != 0ull; }
+ * call returns at once. The kernel right after the check may have started
+ * during it (p.pdl), so this first waits for the check to finish; every
+ * kernel calls it before its first write. */
+FM_DI bool rq_refused(const unsigned long long *verdict)
+{
+    fm_pdl_wait();
+    return verdict && *verdict != 0ull;
+}
 
 /* ---- small device helpers ------------------------------------------------- */
 
@@ -1470,6 +1480,18 @@ struct rqt_fmt {
     static const uint32_t kfast = rqf_thr<T>::v > 0x400u ? rqf_thr<T>::v : 0x400u; /* exact and normal */
 };
 
+/* Whether the call was refused (rq_refused); if so, after the first n <=
+ * RQT_STAGES stages' copies have landed (a CTA must not exit with copies into
+ * its shared memory in flight). */
+FM_DI bool rqt_refused_drain(const rqparams &p, uint64_t *full, int n)
+{
+    if (!rq_refused(p.verdict))
+        return false;
+    for (int k = 0; k < n; k++)
+        sm90_bar_wait(&full[k], 0);
+    return true;
+}
+
 template <int T, bool G>
 __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __grid_constant__ CUtensorMap map,
                                                                      const rqparams p)
@@ -1479,7 +1501,7 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
     __shared__ uint32_t flut[RQF_NLUT];
     __shared__ __align__(16) int slow_pin[RQT_CONSUMERS][RQT]; /* the exact paths read exponents through a pointer */
 
-    if (blockIdx.x >= p.ntiles || rq_refused(p.verdict))
+    if (blockIdx.x >= p.ntiles)
         return;
     /* offsets from rqt_dyn keep the accesses in the shared window (LDS, not generic loads) */
     uint8_t *const codes = rqt_dyn + ((1024u - (sm90_sa(rqt_dyn) & 1023u)) & 1023u);
@@ -1498,10 +1520,16 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
     __syncthreads();
 
     if (w == RQT_CONSUMERS) {
-        /* The producer: tile t's codes by TMA, its row exponents by loads. */
+        /* The producer: tile t's codes by TMA, its row exponents by loads.
+         * It fills the ring before it waits for the power-of-two check (the
+         * loads read only the input, which the check does not write), so the
+         * first tiles arrive while the check runs; on a refusal it leaves
+         * once the copies it started have landed. */
         int i = 0;
         for (uint32_t t = blockIdx.x; t < p.ntiles; t += gridDim.x, i++) {
             const int s = i % RQT_STAGES, ph = (i / RQT_STAGES) & 1;
+            if (i == RQT_STAGES && rqt_refused_drain(p, full, i))
+                return;
             if (i >= RQT_STAGES)
                 sm90_bar_wait(&empty[s], ph ^ 1);
             uint32_t te = 0;
@@ -1539,8 +1567,12 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
                 qmin[s] = make_int2(hi, lo);
             sm90_bar_arrive(&full[s]);
         }
+        if (i <= RQT_STAGES)
+            rqt_refused_drain(p, full, i);
         return;
     }
+    if (rq_refused(p.verdict))
+        return;
 
     const int rg = lane >> 1, cg = lane & 1, m = rg & 7, cl = 16 * w + 8 * cg;
     /* Byte selectors that put the lane's rows back in order (see above). */
@@ -1763,6 +1795,18 @@ static int rq_tma_fits(const rqparams &p, const cudaDeviceProp &prop, int same_d
            prop.minor == 0 && sm90_tensor_map_encoder() != NULL;
 }
 
+/* 0 when FLOWMOE_RQ_PDL=0: the kernel after the scale check is launched
+ * only once the check has finished, as before programmatic launch. */
+static int rq_pdl_knob(void)
+{
+    static int knob = -1;
+    if (knob < 0) {
+        const char *v = getenv("FLOWMOE_RQ_PDL");
+        knob = !(v && v[0] == '0');
+    }
+    return knob;
+}
+
 /* The TMA kernel on a grid of the CTAs that fit at once; cudaErrorNotSupported
  * when the tensor map cannot be made (the caller then runs rq_fp8t_kernel). */
 template <int T, bool G>
@@ -1792,8 +1836,7 @@ static cudaError_t rq_tma_launch(const rqparams &p, int sms, cudaStream_t s)
     int64_t g = (int64_t)(per > 0 ? per : 1) * (sms > 0 ? sms : 1);
     if (g > (int64_t)p.ntiles)
         g = p.ntiles;
-    rq_fp8t_tma_kernel<T, G><<<(unsigned)g, RQT_THREADS, RQT_DYN_SMEM, s>>>(map, p);
-    return cudaGetLastError();
+    return fm_launch(rq_fp8t_tma_kernel<T, G>, (unsigned)g, RQT_THREADS, RQT_DYN_SMEM, s, p.pdl, map, p);
 }
 
 /* ---- row-wise conversions: a thread per 32-element row segment ------------
@@ -2211,6 +2254,9 @@ __global__ void __launch_bounds__(256) rq_check_kernel(const rqparams p, int64_t
                                                        fm_cuda_pending *pend)
 {
     __shared__ int last;
+    /* the call's next kernel may start now (p.pdl): it waits for this one
+     * before its first write (rq_refused) */
+    fm_pdl_release();
     const uint32_t *s = (const uint32_t *)p.in_scale;
     const int64_t stride = (int64_t)gridDim.x * blockDim.x, i0 = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
     int64_t tail = 0;
@@ -2332,10 +2378,9 @@ static cudaError_t rq_launch3(const rqparams &p, int sms, cudaStream_t s)
     if (g > (int64_t)p.ntiles)
         g = p.ntiles;
     if constexpr (F)
-        rq_fp8t_kernel<TI, TO, G><<<(unsigned)g, RQTHREADS, RQF_DYN_SMEM(G), s>>>(p);
+        return fm_launch(rq_fp8t_kernel<TI, TO, G>, (unsigned)g, RQTHREADS, RQF_DYN_SMEM(G), s, p.pdl, p);
     else
-        requant_tile_kernel<TI, TO, TR, G><<<(unsigned)g, RQTHREADS, 0, s>>>(p);
-    return cudaGetLastError();
+        return fm_launch(requant_tile_kernel<TI, TO, TR, G>, (unsigned)g, RQTHREADS, 0, s, p.pdl, p);
 }
 
 /* Grouped ops are transposes only. */
@@ -2411,8 +2456,7 @@ static cudaError_t rq_rows_launch3(const rqparams &q, int64_t nseg, int sms, cud
     if (TI == FM_DTYPE_E2M1 && per > 4)
         per = 4;
     const unsigned g = rq_grid(fm_cdiv(nseg, RQS_THREADS), (int64_t)(per > 0 ? per : 1) * (sms > 0 ? sms : 1));
-    rq_rows_kernel<TI, TO, BI, BO><<<g, RQS_THREADS, 0, s>>>(q);
-    return cudaGetLastError();
+    return fm_launch(rq_rows_kernel<TI, TO, BI, BO>, g, RQS_THREADS, 0, s, q.pdl, q);
 }
 
 /* Compact scale arrays on both sides (what the recipes use) over whole
@@ -2645,6 +2689,10 @@ static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_
         if ((err = cudaGetLastError()) != cudaSuccess)
             goto out;
         p.verdict = &chk->verdict;
+        /* the kernel after it overlaps its launch and first loads with the
+         * check (S23: untrusted - trusted was 7-8 us of a 216 us transpose);
+         * FLOWMOE_RQ_PDL=0 launches it after the check (for comparisons) */
+        p.pdl = rq_pdl_knob();
     } else {
         what = "cudaMemsetAsync(cfg->nonfinite_blocks)";
         if (cfg->nonfinite_blocks &&
@@ -2676,6 +2724,7 @@ static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_
             out->scale, out->scale_mode, p.out_e8, p.Ro, p.Co, p.sout, nscales_out, p.grp, p.groups, p.verdict);
         if ((err = cudaGetLastError()) != cudaSuccess)
             goto out;
+        p.pdl = 0; /* the next kernel follows this one, not the check */
     }
 
     if (p.ntiles && rq_rows_fit(p, tr, E)) {

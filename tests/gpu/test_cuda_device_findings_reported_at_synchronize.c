@@ -5,8 +5,9 @@
  *    rows, without host_splits: the call returns FM_OK and its outputs hold
  *    no placed slot (slot_rows and row_map -1); with host_splits the call
  *    itself reports, and nothing is left pending;
- *  - fm_transpose_scaled with an F32 scale that is not a power of two: the
- *    call returns FM_OK and writes nothing;
+ *  - fm_transpose_scaled and fm_convert_scaled with an F32 scale that is
+ *    not a power of two: the call returns FM_OK and writes nothing, on
+ *    every kernel that may follow the scale check;
  *  - of two findings before a synchronize, the first is reported;
  *  - a valid call after them gives the CPU's result. */
 #include "gpu_test.h"
@@ -150,30 +151,58 @@ static fm_status permute_case(fm_context *cpu, fm_context *gpu, const char *cs, 
     return stc;
 }
 
-/* An E4M3 1x128 row-wise [128, 256] tensor, zero codes, scales 1 but one of
- * 3, transposed by the CUDA backend with its scale check. */
-static fm_status bad_scale_transpose(fm_context *gpu, void **keep_out)
+/* The scale-checked calls a bad scale is tried on. The kernel after the
+ * check may start while the check runs (programmatic launch) and must still
+ * write nothing: each kind of kernel, and for the TMA transpose a CTA with
+ * more tiles than its ring has stages (the producer has then waited for the
+ * check mid-stream) and one with fewer (it waits after its last tile). */
+typedef struct badcase {
+    const char *name;
+    int64_t R, C;
+    fm_dtype odt;  /* E4M3: the TMA transpose; E5M2: rq_fp8t_kernel; E2M1: the row conversion */
+    int transpose; /* 0: fm_convert_scaled to MX32 */
+} badcase;
+
+static const badcase BAD[] = {
+    {"[128, 256] transpose, 2 tiles", 128, 256, FM_DTYPE_E4M3, 1},
+    {"[8192, 4096] transpose, 2048 tiles", 8192, 4096, FM_DTYPE_E4M3, 1},
+    {"[1024, 512] transpose into E5M2", 1024, 512, FM_DTYPE_E5M2, 1},
+    {"[1024, 512] conversion into E2M1", 1024, 512, FM_DTYPE_E2M1, 0},
+};
+
+/* An E4M3 1x128 row-wise tensor of case c, zero codes, scales 1 but block
+ * `bad`'s, which is 3, through the CUDA backend's scale check. The outputs'
+ * codes (returned in *keep_out, *out_bytes), scales and non-finite count are
+ * poisoned first; the scales and the count are checked here. */
+static fm_status bad_scale_call(fm_context *gpu, const badcase *c, int64_t bad, void **keep_out, size_t *out_bytes)
 {
-    const int64_t R = 128, C = 256, nb = R * (C / 128);
-    float sc[256];
+    const int64_t R = c->R, C = c->C, nb = R * (C / 128);
+    float *sc = malloc((size_t)nb * 4);
     for (int64_t i = 0; i < nb; i++)
         sc[i] = 1.0f;
-    sc[77] = 3.0f;
+    sc[bad] = 3.0f;
     fm_tensor in = fm_tensor_2d(dalloc((size_t)(R * C), 0), FM_DTYPE_E4M3, R, C);
     in.device = FM_DEVICE_CUDA;
     in.scale_mode = FM_SCALE_BLOCK_1x128;
     in.scale_dtype = FM_DTYPE_F32;
     in.scale = dcopy(sc, (size_t)nb * 4);
+    free(sc);
     fm_tensor out = in;
-    out.layout = FM_LAYOUT_COLWISE;
-    out.data = dalloc((size_t)(R * C), 0xA5);
+    out.dtype = c->odt;
+    if (c->transpose) {
+        out.layout = FM_LAYOUT_COLWISE;
+    } else {
+        out.scale_mode = FM_SCALE_MX32;
+        out.scale_dtype = FM_DTYPE_E8M0;
+    }
+    *out_bytes = (size_t)(c->odt == FM_DTYPE_E2M1 ? R * C / 2 : R * C);
+    out.data = dalloc(*out_bytes, 0xA5);
     out.scale = dalloc((size_t)fm_tensor_scale_nbytes(&out), 0xA5);
     fm_requant_config rq = {.rule = FM_REQUANT_TIGHT};
     int64_t *dnf = dalloc(8, 0xA5);
     rq.nonfinite_blocks = dnf;
-    fm_status st = fm_transpose_scaled(gpu, &rq, &in, &out);
+    fm_status st = c->transpose ? fm_transpose_scaled(gpu, &rq, &in, &out) : fm_convert_scaled(gpu, &rq, &in, &out);
     GT_CUDA(cudaDeviceSynchronize());
-    /* the output's scales and the non-finite count stay as poisoned too */
     size_t ns = (size_t)fm_tensor_scale_nbytes(&out);
     unsigned char *h = malloc(ns + 8);
     GT_CUDA(cudaMemcpy(h, out.scale, ns, cudaMemcpyDeviceToHost));
@@ -181,7 +210,7 @@ static fm_status bad_scale_transpose(fm_context *gpu, void **keep_out)
     size_t i = 0;
     while (i < ns + 8 && h[i] == 0xA5)
         i++;
-    GT_CHECK(i == ns + 8, "the refused transpose wrote %s byte %zu", i < ns ? "scale" : "nonfinite_blocks",
+    GT_CHECK(i == ns + 8, "%s: the refused call wrote %s byte %zu", c->name, i < ns ? "scale" : "nonfinite_blocks",
              i < ns ? i : i - ns);
     free(h);
     cudaFree(in.data);
@@ -190,6 +219,19 @@ static fm_status bad_scale_transpose(fm_context *gpu, void **keep_out)
     cudaFree(dnf);
     *keep_out = out.data;
     return st;
+}
+
+/* Every byte of device buffer d (n bytes) is still 0xA5; frees it. */
+static int untouched_free(void *d, size_t n)
+{
+    unsigned char *h = malloc(n);
+    GT_CUDA(cudaMemcpy(h, d, n, cudaMemcpyDeviceToHost));
+    int ok = 1;
+    for (size_t i = 0; i < n; i++)
+        ok &= h[i] == 0xA5;
+    free(h);
+    cudaFree(d);
+    return ok;
 }
 
 int main(void)
@@ -223,23 +265,23 @@ int main(void)
              "the CPU took too few rows");
     permute_case(cpu, gpu, "too few rows, host_splits", ids, need - 1, 1, 0);
 
-    /* a bad scale: nothing written, reported once */
+    /* a bad scale: nothing written, reported once, by each kernel kind */
     void *tout;
-    GT_CHECK(bad_scale_transpose(gpu, &tout) == FM_OK, "the transpose refused at once instead of at the synchronize: %s", fm_last_error(gpu));
-    {
-        unsigned char *h = malloc(128 * 256);
-        GT_CUDA(cudaMemcpy(h, tout, 128 * 256, cudaMemcpyDeviceToHost));
-        int untouched = 1;
-        for (int i = 0; i < 128 * 256; i++)
-            untouched &= h[i] == 0xA5;
-        GT_CHECK(untouched, "the refused transpose wrote its output");
-        free(h);
-        cudaFree(tout);
+    size_t tbytes;
+    for (size_t k = 0; k < sizeof BAD / sizeof BAD[0]; k++) {
+        const badcase *c = &BAD[k];
+        const int64_t nbi = c->C / 128, bad = (c->R * nbi) / 2 + 1; /* row R / 2, block 1 */
+        GT_CHECK(bad_scale_call(gpu, c, bad, &tout, &tbytes) == FM_OK,
+                 "%s: refused at once instead of at the synchronize: %s", c->name, fm_last_error(gpu));
+        GT_CHECK(untouched_free(tout, tbytes), "%s: the refused call wrote its output", c->name);
+        char want[96];
+        snprintf(want, sizeof want, "block (expert 0, stored row %lld, block 1) is 3,", (long long)(c->R / 2));
+        fm_status sy = fm_context_synchronize(gpu);
+        GT_CHECK(sy == FM_ERR_INVALID_ARG && strstr(fm_last_error(gpu), want), "%s: the bad scale: %s (%s)", c->name,
+                 fm_status_name(sy), fm_last_error(gpu));
+        GT_CHECK(fm_context_synchronize(gpu) == FM_OK, "%s: the bad scale reported twice: %s", c->name,
+                 fm_last_error(gpu));
     }
-    fm_status sy = fm_context_synchronize(gpu);
-    GT_CHECK(sy == FM_ERR_INVALID_ARG && strstr(fm_last_error(gpu), "block (expert 0, stored row 38, block 1) is 3,"),
-             "the bad scale: %s (%s)", fm_status_name(sy), fm_last_error(gpu));
-    GT_CHECK(fm_context_synchronize(gpu) == FM_OK, "the bad scale reported twice: %s", fm_last_error(gpu));
 
     /* two findings: the first is reported, the second dropped */
     {
@@ -247,9 +289,9 @@ int main(void)
         dperm d;
         dperm_make(&d, x, bad, bound);
         GT_CHECK(dperm_run(gpu, &d, NULL) == FM_OK, "the bad permute: %s", fm_last_error(gpu));
-        GT_CHECK(bad_scale_transpose(gpu, &tout) == FM_OK, "the transpose: %s", fm_last_error(gpu));
+        GT_CHECK(bad_scale_call(gpu, &BAD[0], 77, &tout, &tbytes) == FM_OK, "the transpose: %s", fm_last_error(gpu));
         cudaFree(tout);
-        sy = fm_context_synchronize(gpu);
+        fm_status sy = fm_context_synchronize(gpu);
         GT_CHECK(sy == FM_ERR_INVALID_ARG && strstr(fm_last_error(gpu), "expert_ids: entry [20, 1] is 5,"),
                  "two findings: %s (%s)", fm_status_name(sy), fm_last_error(gpu));
         GT_CHECK(fm_context_synchronize(gpu) == FM_OK, "two findings: a second report: %s", fm_last_error(gpu));
