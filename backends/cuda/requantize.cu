@@ -1492,6 +1492,28 @@ FM_DI bool rqt_refused_drain(const rqparams &p, uint64_t *full, int n)
     return true;
 }
 
+/* Column j's 8 codes from its scaled halves sv (see the kernel): enc(s x
+ * 2^d), d = Q - p_out in [0, 15], as one 8-byte store. */
+template <int T>
+FM_DI uint2 rqt_enc8(const uint32_t sv[4], int d)
+{
+    const uint32_t M = ((uint32_t)(15 + d) << 10) * 0x10001u;
+    uint32_t e[4];
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        const __half2 y = __hmul2(*(const __half2 *)&sv[q], *(const __half2 *)&M);
+        e[q] = rqf_enc2<T>(*(const uint32_t *)&y);
+    }
+    return make_uint2(e[0] | (e[1] << 16), e[2] | (e[3] << 16));
+}
+
+/* The lane's 8 row exponents into its warp's slot, for the exact paths. */
+FM_DI void rqt_put_pins(int *pins, const int pk[8])
+{
+    *(int4 *)pins = make_int4(pk[0], pk[1], pk[2], pk[3]);
+    *(int4 *)(pins + 4) = make_int4(pk[4], pk[5], pk[6], pk[7]);
+}
+
 template <int T, bool G>
 __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __grid_constant__ CUtensorMap map,
                                                                      const rqparams p)
@@ -1697,8 +1719,7 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
         const bool slow_keys = __any_sync(0xFFFFFFFFu, fail);
         if (slow_keys) {
             /* The CPU's keys, element by element, for the blocks K could not settle (warp-wide reductions). */
-            *(int4 *)&slow_pin[w][8 * rg] = make_int4(pk[0], pk[1], pk[2], pk[3]);
-            *(int4 *)&slow_pin[w][8 * rg + 4] = make_int4(pk[4], pk[5], pk[6], pk[7]);
+            rqt_put_pins(&slow_pin[w][8 * rg], pk);
             __syncwarp();
 #pragma unroll
             for (int j = 0; j < 8; j++) {
@@ -1735,36 +1756,21 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
         if (fast) {
 #pragma unroll
             for (int j = 0; j < 8; j++, o += tl.Co) {
-                const uint32_t M = ((uint32_t)(15 + Q - po[j]) << 10) * 0x10001u;
-                uint32_t e[4];
-#pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    const __half2 y = __hmul2(*(const __half2 *)&sv[j][q], *(const __half2 *)&M);
-                    e[q] = rqf_enc2<T>(*(const uint32_t *)&y);
-                }
+                const uint2 v = rqt_enc8<T>(sv[j], Q - po[j]);
                 if (j < ncol)
-                    __stcs((uint2 *)o, make_uint2(e[0] | (e[1] << 16), e[2] | (e[3] << 16)));
+                    __stcs((uint2 *)o, v);
             }
             continue;
         }
-        if (!slow_keys) {
-            *(int4 *)&slow_pin[w][8 * rg] = make_int4(pk[0], pk[1], pk[2], pk[3]);
-            *(int4 *)&slow_pin[w][8 * rg + 4] = make_int4(pk[4], pk[5], pk[6], pk[7]);
-        }
+        if (!slow_keys)
+            rqt_put_pins(&slow_pin[w][8 * rg], pk);
 #pragma unroll
         for (int j = 0; j < 8; j++, o += tl.Co) {
             const int d = Q - po[j];
             uint2 v;
-            if (d >= 0 && d <= dmax) {
-                const uint32_t M = ((uint32_t)(15 + d) << 10) * 0x10001u;
-                uint32_t e[4];
-#pragma unroll
-                for (int q = 0; q < 4; q++) {
-                    const __half2 y = __hmul2(*(const __half2 *)&sv[j][q], *(const __half2 *)&M);
-                    e[q] = rqf_enc2<T>(*(const uint32_t *)&y);
-                }
-                v = make_uint2(e[0] | (e[1] << 16), e[2] | (e[3] << 16));
-            } else if (po[j] == RQ_BADP)
+            if (d >= 0 && d <= dmax)
+                v = rqt_enc8<T>(sv[j], d);
+            else if (po[j] == RQ_BADP)
                 v = make_uint2(fm_nan_word<T>(), fm_nan_word<T>());
             else
                 v = rqf_slow_col<T, T>(col[j][0], col[j][1], &slow_pin[w][8 * rg], po[j]);
