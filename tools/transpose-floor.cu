@@ -1,0 +1,253 @@
+/* How fast can DRAM serve a byte transpose's access pattern on this GPU, with
+ * no arithmetic at all? Each CTA streams tiles through shared memory with TMA
+ * only: a box of BH rows x BW bytes of the [R, C] input in, the same bytes out
+ * as a box of BW rows x BH bytes at the transposed place of the [C, R] output
+ * (the codes land untransposed inside the box: only the addresses matter
+ * here). So a transpose kernel with tiles of BH x BW cannot beat its line, and
+ * the "copy" lines (the box stored where it was read) show what the tile walk
+ * alone costs. Prints each line's time and its share of a device-to-device
+ * cudaMemcpy of the same bytes measured in the same run (bytes read +
+ * written, as fm-bench counts them). The last lines store 128- and 256-row
+ * boxes from registers in 8-byte pieces instead, as rq_fp8t_tma_kernel does.
+ * notes/transpose_scaled.md (twenty-fourth session) has what it measured.
+ * Not built by meson (a diagnostic for a GPU machine):
+ *   nvcc -O2 -gencode=arch=compute_90a,code=sm_90a -o transpose-floor \
+ *        tools/transpose-floor.cu && ./transpose-floor [R C] */
+#include <cuda_runtime.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "../backends/cuda/sm90.cuh"
+
+#define CK(x)                                                                                                  \
+    do {                                                                                                       \
+        cudaError_t e_ = (x);                                                                                  \
+        if (e_ != cudaSuccess) {                                                                               \
+            fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));                      \
+            exit(1);                                                                                           \
+        }                                                                                                      \
+    } while (0)
+
+__device__ static __forceinline__ void tma_store_2d(const CUtensorMap *map, const void *src, int c0, int c1)
+{
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"((uint64_t)map),
+                 "r"(sm90_sa(src)), "r"(c0), "r"(c1)
+                 : "memory");
+}
+
+/* One thread a CTA streams its tiles through S stages, S - 1 loads ahead of
+ * the store. The tile walk is tile columns fastest (cols_first) or tile rows
+ * fastest. */
+#define MAXS 4
+__global__ void __launch_bounds__(32) tma_pattern(const __grid_constant__ CUtensorMap in,
+                                                  const __grid_constant__ CUtensorMap out, int S, int BH, int BW,
+                                                  int ntr, int ntc, int transpose, int cols_first)
+{
+    extern __shared__ uint8_t dyn[];
+    __shared__ uint64_t full[MAXS];
+    if (threadIdx.x != 0)
+        return;
+    uint8_t *base = dyn + ((1024u - (sm90_sa(dyn) & 1023u)) & 1023u);
+    const int bytes = BH * BW, n = ntr * ntc;
+    const int cnt = n > (int)blockIdx.x ? (n - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x : 0;
+    for (int s = 0; s < S; s++)
+        sm90_bar_init(&full[s], 1);
+    sm90_bar_init_fence();
+    int tr[MAXS], tc[MAXS];
+#define PLACE(j)                                                                                    \
+    do {                                                                                            \
+        const int t_ = (int)blockIdx.x + (j) * (int)gridDim.x, s_ = (j) % S;                        \
+        tr[s_] = cols_first ? t_ / ntc : t_ % ntr;                                                  \
+        tc[s_] = cols_first ? t_ % ntc : t_ / ntr;                                                  \
+    } while (0)
+#define LOAD(j)                                                                                     \
+    do {                                                                                            \
+        PLACE(j);                                                                                   \
+        sm90_bar_expect(&full[(j) % S], bytes);                                                     \
+        sm90_tma_load_2d(base + ((j) % S) * bytes, &in, &full[(j) % S], tc[(j) % S] * BW, tr[(j) % S] * BH); \
+    } while (0)
+    for (int j = 0; j < S - 1 && j < cnt; j++)
+        LOAD(j);
+    for (int i = 0; i < cnt; i++) {
+        const int s = i % S;
+        sm90_bar_wait(&full[s], (i / S) & 1);
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        if (transpose)
+            tma_store_2d(&out, base + s * bytes, tr[s] * BH, tc[s] * BW);
+        else
+            tma_store_2d(&out, base + s * bytes, tc[s] * BW, tr[s] * BH);
+        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        const int j = i + S - 1;
+        if (j < cnt) {
+            /* stage j % S was read by tile i - 1's store: all but the newest group done reading */
+            asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+            LOAD(j);
+        }
+    }
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+/* The store side of the library's TMA transpose: the same loads, but 8
+ * consumer warps take each stage and store it with 8-byte st.global pieces
+ * at the transposed place (lane l of warp w: output rows 16 w + 8 (l % 2) +
+ * j, bytes 8 (l / 2) .. + 7 of the tile's run; a warp's store covers two
+ * 128-byte output runs), as rq_fp8t_tma_kernel does. BH 256: a box of two
+ * tiles' rows, the second half's runs stored right after the first's. */
+template <int BH>
+__global__ void __launch_bounds__(288) reg_store_pattern(const __grid_constant__ CUtensorMap in, uint8_t *out,
+                                                         long R, int ntr, int ntc, int cols_first)
+{
+    extern __shared__ uint8_t dyn[];
+    __shared__ uint64_t full[MAXS], empty[MAXS];
+    uint8_t *base = dyn + ((1024u - (sm90_sa(dyn) & 1023u)) & 1023u);
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, n = ntr * ntc, S = BH == 128 ? MAXS : 2;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < S; s++) {
+            sm90_bar_init(&full[s], 1);
+            sm90_bar_init(&empty[s], 8);
+        }
+        sm90_bar_init_fence();
+    }
+    __syncthreads();
+    if (w == 8) {
+        if (lane != 0)
+            return;
+        int i = 0;
+        for (int t = blockIdx.x; t < n; t += gridDim.x, i++) {
+            const int s = i % S;
+            if (i >= S)
+                sm90_bar_wait(&empty[s], ((i / S) & 1) ^ 1);
+            const int tr = cols_first ? t / ntc : t % ntr, tc = cols_first ? t % ntc : t / ntr;
+            sm90_bar_expect(&full[s], BH * 128);
+            sm90_tma_load_2d(base + s * BH * 128, &in, &full[s], tc * 128, tr * BH);
+        }
+        return;
+    }
+    const int rg = lane >> 1, cg = lane & 1;
+    int i = 0;
+    for (int t = blockIdx.x; t < n; t += gridDim.x, i++) {
+        const int s = i % S;
+        sm90_bar_wait(&full[s], (i / S) & 1);
+        const int tr = cols_first ? t / ntc : t % ntr, tc = cols_first ? t % ntc : t / ntr;
+        for (int h = 0; h < BH / 128; h++) {
+            uint2 v[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                v[j] = *(const uint2 *)(base + s * BH * 128 + (128 * h + 8 * rg + j) * 128 + 16 * w + 8 * cg);
+            __syncwarp();
+            if (lane == 0 && h == BH / 128 - 1)
+                sm90_bar_arrive(&empty[s]);
+            uint8_t *o = out + (long)(tc * 128 + 16 * w + 8 * cg) * R + tr * BH + 128 * h + 8 * rg;
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                __stcs((uint2 *)(o + (long)j * R), v[j]);
+        }
+    }
+}
+
+static CUtensorMap map2d(void *p, long inner, long outer, int box_inner, int box_outer)
+{
+    CUtensorMap m;
+    const cuuint64_t dims[2] = {(cuuint64_t)inner, (cuuint64_t)outer};
+    const cuuint64_t strides[1] = {(cuuint64_t)inner};
+    const cuuint32_t box[2] = {(cuuint32_t)box_inner, (cuuint32_t)box_outer}, es[2] = {1, 1};
+    if (sm90_tensor_map_encoder()(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, p, dims, strides, box, es,
+                                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
+        fprintf(stderr, "tensor map %ld x %ld, box %d x %d refused\n", inner, outer, box_inner, box_outer);
+        exit(1);
+    }
+    return m;
+}
+
+static float median(float *v, int n)
+{
+    for (int i = 1; i < n; i++)
+        for (int j = i; j > 0 && v[j] < v[j - 1]; j--) {
+            float t = v[j];
+            v[j] = v[j - 1];
+            v[j - 1] = t;
+        }
+    return v[n / 2];
+}
+
+static const int reps = 21;
+static cudaEvent_t e0, e1;
+
+/* Median time of launch() in ms over reps runs, after two warm-up runs. */
+template <typename F>
+static float time_ms(F launch)
+{
+    float ts[reps];
+    for (int r = 0; r < reps + 2; r++) {
+        CK(cudaEventRecord(e0));
+        launch();
+        CK(cudaGetLastError());
+        CK(cudaEventRecord(e1));
+        CK(cudaEventSynchronize(e1));
+        if (r >= 2)
+            CK(cudaEventElapsedTime(&ts[r - 2], e0, e1));
+    }
+    return median(ts, reps);
+}
+
+int main(int argc, char **argv)
+{
+    const long R = argc > 2 ? atol(argv[1]) : 32768, C = argc > 2 ? atol(argv[2]) : 7168;
+    const size_t n = (size_t)R * C;
+    uint8_t *a, *b;
+    CK(cudaMalloc(&a, n));
+    CK(cudaMalloc(&b, n));
+    CK(cudaMemset(a, 1, n));
+    CK(cudaMemset(b, 2, n));
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    int sms;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    const float copy_ms = time_ms([&] { CK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice)); });
+    printf("# %s, [%ld, %ld] bytes; copy %.1f us = %.1f GB/s (read + written)\n", prop.name, R, C, copy_ms * 1e3,
+           2.0 * n / (copy_ms * 1e-3) / 1e9);
+    printf("| pattern | box BH x BW | walk | stages | CTAs/SM | us | of copy |\n|---|---|---|---:|---:|---:|---:|\n");
+    const int shapes[][2] = {{128, 128}, {256, 128}, {128, 256}, {256, 256}, {64, 256}, {256, 64}};
+    for (int transpose = 1; transpose >= 0; transpose--)
+        for (const auto &sh : shapes)
+            for (int cf = 1; cf >= 0; cf--) {
+                const int BH = sh[0], BW = sh[1];
+                if (R % BH || C % BW)
+                    continue;
+                const CUtensorMap mi = map2d(a, C, R, BW, BH);
+                const CUtensorMap mo = transpose ? map2d(b, R, C, BH, BW) : map2d(b, C, R, BW, BH);
+                const int S = BH * BW * MAXS <= 160 * 1024 ? MAXS : 3;
+                const size_t smem = 1024 + (size_t)S * BH * BW;
+                CK(cudaFuncSetAttribute(tma_pattern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+                int per = 0;
+                CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, tma_pattern, 32, smem));
+                const int ntr = (int)(R / BH), ntc = (int)(C / BW);
+                const int grid = per * sms < ntr * ntc ? per * sms : ntr * ntc;
+                const float ms =
+                    time_ms([&] { tma_pattern<<<grid, 32, smem>>>(mi, mo, S, BH, BW, ntr, ntc, transpose, cf); });
+                printf("| %s | %d x %d | %s | %d | %d | %.1f | %.1f%% |\n", transpose ? "transpose" : "copy", BH, BW,
+                       cf ? "cols first" : "rows first", S, per, ms * 1e3, 100.0 * copy_ms / ms);
+            }
+    for (int bh = 128; bh <= 256; bh += 128)
+        for (int cf = 1; cf >= 0; cf--) {
+            if (R % bh)
+                continue;
+            void (*k)(CUtensorMap, uint8_t *, long, int, int, int) =
+                bh == 128 ? reg_store_pattern<128> : reg_store_pattern<256>;
+            const CUtensorMap mi = map2d(a, C, R, 128, bh);
+            const int S = bh == 128 ? MAXS : 2; /* as the kernel: 4 tiles a CTA in flight either way */
+            const size_t smem = 1024 + (size_t)S * bh * 128;
+            CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+            int per = 0;
+            CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, k, 288, smem));
+            const int ntr = (int)(R / bh), ntc = (int)(C / 128);
+            const int grid = per * sms < ntr * ntc ? per * sms : ntr * ntc;
+            const float ms = time_ms([&] { k<<<grid, 288, smem>>>(mi, b, R, ntr, ntc, cf); });
+            printf("| transpose, 8-byte register stores | %d x 128 | %s | %d | %d | %.1f | %.1f%% |\n", bh,
+                   cf ? "cols first" : "rows first", S, per, ms * 1e3, 100.0 * copy_ms / ms);
+        }
+    return 0;
+}
