@@ -2249,15 +2249,32 @@ FM_DI void rq_check_one(uint32_t bits, int64_t i, rqcheck *res)
         atomicMax(&res->first_inv, ~(unsigned long long)i);
 }
 
+/* 16 bytes of scales kept in L2 ahead of the lines streamed past them
+ * (evict_last), for a kernel that reads the same scales right after the
+ * check: the row conversion (rq_rows_kernel) into E2M1, untrusted, 152.5 ->
+ * 149.0 us (S24-9, H100, against the tree before, twice each). With it for
+ * every call the plain TMA transpose measured 211.7 -> 216.2 us (the grouped
+ * one 209.6 -> 208.1, S24-8), so transposes keep the streaming loads. */
+FM_DI uint4 rq_check_load(const uint4 *a)
+{
+    uint64_t pol;
+    uint4 v;
+    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+    asm volatile("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(a), "l"(pol));
+    return v;
+}
+
 /* The minimum index of a bad block, as the maximum of its complement (0:
  * none). The last CTA to finish settles the call: a bad block goes to the
  * context's pending finding (named as the CPU names it: row and block of
  * the token rows, or expert / group, stored row and block) and every later
  * kernel of the call sees the verdict and writes nothing; otherwise it
  * zeroes nonfinite_blocks, the call's first write. Compact scales are read
- * 16 bytes a thread. */
-__global__ void __launch_bounds__(256) rq_check_kernel(const rqparams p, int64_t n, int token_rows, rqcheck *res,
-                                                       fm_cuda_pending *pend)
+ * 16 bytes a thread (keep_l2: kept in L2 for the row conversion after it). */
+__global__ void __launch_bounds__(256) rq_check_kernel(const rqparams p, int64_t n, int token_rows, int keep_l2,
+                                                       rqcheck *res, fm_cuda_pending *pend)
 {
     __shared__ int last;
     /* the call's next kernel may start now (p.pdl): it waits for this one
@@ -2268,7 +2285,7 @@ __global__ void __launch_bounds__(256) rq_check_kernel(const rqparams p, int64_t
     int64_t tail = 0;
     if (p.in_layout == FM_SCALE_LAYOUT_COMPACT && (uintptr_t)s % 16 == 0) {
         for (int64_t q = i0; q < n / 4; q += stride) {
-            const uint4 v = __ldcs((const uint4 *)s + q);
+            const uint4 v = keep_l2 ? rq_check_load((const uint4 *)s + q) : __ldcs((const uint4 *)s + q);
             rq_check_one(v.x, 4 * q, res);
             rq_check_one(v.y, 4 * q + 1, res);
             rq_check_one(v.z, 4 * q + 2, res);
@@ -2662,6 +2679,7 @@ static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_
     /* Scratch: the group table. */
     const size_t table_bytes = sp ? (size_t)(sp->groups + 1) * sizeof(rqgrp) : 0;
     const int check = !exact128 && !p.in_e8 && nblocks > 0 && !cfg->trusted_pow2_scales;
+    const int rows_path = !exact128 && p.ntiles && rq_rows_fit(p, tr, E); /* rq_rows_kernel takes the call */
     if (sp) {
         st = fm_cuda_scratch(ctx, table_bytes, &buf, &owned, op);
         if (st) {
@@ -2691,7 +2709,7 @@ static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_
         rqcheck *chk = (rqcheck *)fm_cuda_op_words(ctx);
         what = "power-of-two scale check: kernel launch";
         rq_check_kernel<<<rq_grid(fm_cdiv(nblocks, 1024), (int64_t)sms * 4), 256, 0, s>>>(
-            p, nblocks, rows != NULL, chk, fm_cuda(ctx)->pending);
+            p, nblocks, rows != NULL, rows_path, chk, fm_cuda(ctx)->pending);
         if ((err = cudaGetLastError()) != cudaSuccess)
             goto out;
         p.verdict = &chk->verdict;
@@ -2733,7 +2751,7 @@ static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_
         p.pdl = 0; /* the next kernel follows this one, not the check */
     }
 
-    if (p.ntiles && rq_rows_fit(p, tr, E)) {
+    if (rows_path) {
         what = "row-wise conversion: kernel launch";
         err = rq_rows_launch(p, E, in->dtype, out->dtype, sms, s);
     } else if (p.ntiles) {
