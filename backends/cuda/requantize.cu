@@ -2103,8 +2103,6 @@ __global__ void __launch_bounds__(RQS_THREADS) rq_rows_kernel(const rqparams p)
     constexpr int NW = X ? 4 : 8;                /* input words a segment */
     __shared__ uint4 xs[X ? 1 : RQS_THREADS / 32][64]; /* FP8 input: rq_rows_load's chunks, by warp */
     __shared__ int lut[128];
-    if (rq_refused(p.verdict))
-        return;
     for (int i = threadIdx.x; i < 128; i += RQS_THREADS)
         lut[i] = X ? rq_code_key<TI, TO>((i >> 2) & 7, p.rule) : rq_code_key<TI, TO>(i, p.rule);
     __syncthreads();
@@ -2115,7 +2113,11 @@ __global__ void __launch_bounds__(RQS_THREADS) rq_rows_kernel(const rqparams p)
     if (base >= p.ntiles)
         return;
     rqseg<NW> g, gn;
+    /* The first segments' codes and scales are read while the check may
+     * still run (nothing the check writes): only the writes wait for it. */
     rq_rows_load<TI, NW, BI, BO>(p, base + lane, g);
+    if (rq_refused(p.verdict))
+        return;
     /* Warp-uniform trip count: the lanes of a 1 x 128 output block reduce by shuffles. */
     for (;;) {
         const uint32_t nb = base + wstride;
