@@ -371,6 +371,16 @@ FM_DI void fm_tile_place(fm_fastdiv ntc, fm_fastdiv ntr, uint32_t t, uint32_t *e
 FM_DI void fm_pdl_wait(void) { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 FM_DI void fm_pdl_release(void) { asm volatile("griddepcontrol.launch_dependents;"); }
 
+/* An L2 cache policy for accesses whose lines should outlive the streamed
+ * ones around them (evict_last): data a later kernel of the same op reads
+ * again. For ld/st with .L2::cache_hint. */
+FM_DI uint64_t fm_l2_keep_policy(void)
+{
+    uint64_t pol;
+    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+    return pol;
+}
+
 template <typename... P, typename... A>
 static cudaError_t fm_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, int pdl,
                              A &&...args)

@@ -211,8 +211,7 @@ static __device__ __forceinline__ void put_scale(const qout &o, int64_t t, int64
     if (TM) {
         uint8_t *b = o.tmaj + t * QTM_TILE;
         if (KEEP) {
-            uint64_t pol;
-            asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+            const uint64_t pol = fm_l2_keep_policy();
             if (o.e8)
                 asm volatile("st.global.L2::cache_hint.u8 [%0], %1, %2;" ::"l"(b + (r - r0) * 4 + ((c - c0) >> 5)),
                              "r"((uint32_t)s8), "l"(pol) : "memory");

@@ -2259,9 +2259,8 @@ FM_DI void rq_check_one(uint32_t bits, int64_t i, rqcheck *res)
  * one 209.6 -> 208.1, S24-8), so transposes keep the streaming loads. */
 FM_DI uint4 rq_check_load(const uint4 *a)
 {
-    uint64_t pol;
+    const uint64_t pol = fm_l2_keep_policy();
     uint4 v;
-    asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
     asm volatile("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(a), "l"(pol));
