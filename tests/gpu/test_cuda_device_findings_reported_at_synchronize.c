@@ -8,6 +8,10 @@
  *  - fm_transpose_scaled and fm_convert_scaled with an F32 scale that is
  *    not a power of two: the call returns FM_OK and writes nothing, on
  *    every kernel that may follow the scale check;
+ *  - with several bad scales, the one named is the CPU's (the first in its
+ *    order), and the check's state carries nothing from one call to the
+ *    next: refused and accepted calls in turn, each accepted one equal to
+ *    the CPU's, non-finite count included;
  *  - of two findings before a synchronize, the first is reported;
  *  - a valid call after them gives the CPU's result. */
 #include "gpu_test.h"
@@ -234,6 +238,103 @@ static int untouched_free(void *d, size_t n)
     return ok;
 }
 
+/* Row conversions [R, C] E4M3 1x128 -> E2M1 MX32 one after another on both
+ * backends: call k has NaN codes, and on odd k three scales that are not
+ * powers of two, spread over the tensor (the smallest not first). A refused
+ * CUDA call returns FM_OK, its synchronize returns the CPU's sentence, and
+ * its outputs and count stay poisoned; an accepted one equals the CPU. */
+static void conversion_sequence(fm_context *cpu, fm_context *gpu)
+{
+    const int64_t R = 2048, C = 1024, nbr = C / 128, nb = R * nbr, ns = R * (C / 32);
+    uint8_t *codes = malloc((size_t)(R * C)), *hcodes = malloc((size_t)(R * C / 2)), *hs = malloc((size_t)ns);
+    uint8_t *gcodes = malloc((size_t)(R * C / 2)), *gs = malloc((size_t)ns);
+    float *sc = malloc((size_t)nb * 4);
+    uint64_t rng = 0x5EEDull;
+    for (int k = 0; k < 6; k++) {
+        const int refuse = k & 1;
+        for (int64_t i = 0; i < R * C; i++) {
+            rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+            codes[i] = (uint8_t)(rng >> 56);
+        }
+        for (int64_t i = 0; i < nb; i++)
+            sc[i] = ldexpf(1.0f, (int)(i * 7 % 23) - 11);
+        const int64_t bad[3] = {(k * 7919 + 4097) % nb, (k * 131 + 17) % (nb / 2) + 1, nb - 1 - k};
+        int64_t first = nb;
+        if (refuse)
+            for (int j = 0; j < 3; j++) {
+                sc[bad[j]] = j == 1 ? -2.0f : 3.0f * (float)(j + 1);
+                first = bad[j] < first ? bad[j] : first;
+            }
+        fm_tensor hin = fm_tensor_2d(codes, FM_DTYPE_E4M3, R, C);
+        hin.scale_mode = FM_SCALE_BLOCK_1x128;
+        hin.scale_dtype = FM_DTYPE_F32;
+        hin.scale = sc;
+        fm_tensor hout = hin;
+        hout.dtype = FM_DTYPE_E2M1;
+        hout.data = hcodes;
+        hout.scale_mode = FM_SCALE_MX32;
+        hout.scale_dtype = FM_DTYPE_E8M0;
+        hout.scale = hs;
+        int64_t hnf = -1, nf = 0;
+        fm_requant_config hrq = {.rule = FM_REQUANT_TIGHT, .nonfinite_blocks = &hnf};
+        const fm_status hst = fm_convert_scaled(cpu, &hrq, &hin, &hout);
+        char cmsg[512];
+        snprintf(cmsg, sizeof cmsg, "%s", fm_last_error(cpu));
+        GT_CHECK(hst == (refuse ? FM_ERR_INVALID_ARG : FM_OK), "sequence call %d: the CPU: %s (%s)", k,
+                 fm_status_name(hst), cmsg);
+
+        fm_tensor in = hin;
+        in.device = FM_DEVICE_CUDA;
+        in.data = dcopy(codes, (size_t)(R * C));
+        in.scale = dcopy(sc, (size_t)nb * 4);
+        fm_tensor out = hout;
+        out.device = FM_DEVICE_CUDA;
+        out.data = dalloc((size_t)(R * C / 2), 0xA5);
+        out.scale = dalloc((size_t)ns, 0xA5);
+        int64_t *dnf = dalloc(8, 0xA5);
+        fm_requant_config rq = {.rule = FM_REQUANT_TIGHT, .nonfinite_blocks = dnf};
+        GT_CHECK(fm_convert_scaled(gpu, &rq, &in, &out) == FM_OK, "sequence call %d: %s", k, fm_last_error(gpu));
+        const fm_status sy = fm_context_synchronize(gpu);
+        GT_CUDA(cudaMemcpy(gcodes, out.data, (size_t)(R * C / 2), cudaMemcpyDeviceToHost));
+        GT_CUDA(cudaMemcpy(gs, out.scale, (size_t)ns, cudaMemcpyDeviceToHost));
+        GT_CUDA(cudaMemcpy(&nf, dnf, 8, cudaMemcpyDeviceToHost));
+        if (refuse) {
+            char want[96];
+            snprintf(want, sizeof want, "block (expert 0, stored row %lld, block %lld) is %g,", (long long)(first / nbr),
+                     (long long)(first % nbr), (double)sc[first]);
+            GT_CHECK(sy == FM_ERR_INVALID_ARG && strstr(cmsg, want) && !strcmp(fm_last_error(gpu), cmsg),
+                     "sequence call %d: %s '%s', the CPU '%s' (%s)", k, fm_status_name(sy), fm_last_error(gpu), cmsg,
+                     want);
+            GT_CHECK(fm_context_synchronize(gpu) == FM_OK, "sequence call %d: reported twice", k);
+            size_t i = 0;
+            while (i < (size_t)(R * C / 2) && gcodes[i] == 0xA5)
+                i++;
+            size_t j = 0;
+            while (j < (size_t)ns && gs[j] == 0xA5)
+                j++;
+            GT_CHECK(i == (size_t)(R * C / 2) && j == (size_t)ns && (uint64_t)nf == 0xA5A5A5A5A5A5A5A5ull,
+                     "sequence call %d: the refused call wrote (code byte %zu, scale byte %zu, count %llx)", k, i, j,
+                     (unsigned long long)nf);
+        } else {
+            GT_CHECK(sy == FM_OK, "sequence call %d: %s (%s)", k, fm_status_name(sy), fm_last_error(gpu));
+            GT_CHECK(!memcmp(gcodes, hcodes, (size_t)(R * C / 2)) && !memcmp(gs, hs, (size_t)ns) && nf == hnf,
+                     "sequence call %d: the outputs differ from the CPU's (%lld non-finite blocks, the CPU %lld)", k,
+                     (long long)nf, (long long)hnf);
+        }
+        cudaFree(in.data);
+        cudaFree(in.scale);
+        cudaFree(out.data);
+        cudaFree(out.scale);
+        cudaFree(dnf);
+    }
+    free(codes);
+    free(hcodes);
+    free(hs);
+    free(gcodes);
+    free(gs);
+    free(sc);
+}
+
 int main(void)
 {
     const char *name = "test_cuda_device_findings_reported_at_synchronize";
@@ -282,6 +383,8 @@ int main(void)
         GT_CHECK(fm_context_synchronize(gpu) == FM_OK, "%s: the bad scale reported twice: %s", c->name,
                  fm_last_error(gpu));
     }
+
+    conversion_sequence(cpu, gpu);
 
     /* two findings: the first is reported, the second dropped */
     {
