@@ -174,6 +174,15 @@ static const badcase BAD[] = {
     {"[1024, 512] conversion into E2M1", 1024, 512, FM_DTYPE_E2M1, 0},
 };
 
+/* The first of n host bytes that is no longer the 0xA5 poison (n: none). */
+static size_t first_written(const unsigned char *h, size_t n)
+{
+    size_t i = 0;
+    while (i < n && h[i] == 0xA5)
+        i++;
+    return i;
+}
+
 /* An E4M3 1x128 row-wise tensor of case c, zero codes, scales 1 but block
  * `bad`'s, which is 3, through the CUDA backend's scale check. The outputs'
  * codes (returned in *keep_out, *out_bytes), scales and non-finite count are
@@ -211,9 +220,7 @@ static fm_status bad_scale_call(fm_context *gpu, const badcase *c, int64_t bad, 
     unsigned char *h = malloc(ns + 8);
     GT_CUDA(cudaMemcpy(h, out.scale, ns, cudaMemcpyDeviceToHost));
     GT_CUDA(cudaMemcpy(h + ns, dnf, 8, cudaMemcpyDeviceToHost));
-    size_t i = 0;
-    while (i < ns + 8 && h[i] == 0xA5)
-        i++;
+    const size_t i = first_written(h, ns + 8);
     GT_CHECK(i == ns + 8, "%s: the refused call wrote %s byte %zu", c->name, i < ns ? "scale" : "nonfinite_blocks",
              i < ns ? i : i - ns);
     free(h);
@@ -230,9 +237,7 @@ static int untouched_free(void *d, size_t n)
 {
     unsigned char *h = malloc(n);
     GT_CUDA(cudaMemcpy(h, d, n, cudaMemcpyDeviceToHost));
-    int ok = 1;
-    for (size_t i = 0; i < n; i++)
-        ok &= h[i] == 0xA5;
+    const int ok = first_written(h, n) == n;
     free(h);
     cudaFree(d);
     return ok;
@@ -306,13 +311,8 @@ static void conversion_sequence(fm_context *cpu, fm_context *gpu)
                      "sequence call %d: %s '%s', the CPU '%s' (%s)", k, fm_status_name(sy), fm_last_error(gpu), cmsg,
                      want);
             GT_CHECK(fm_context_synchronize(gpu) == FM_OK, "sequence call %d: reported twice", k);
-            size_t i = 0;
-            while (i < (size_t)(R * C / 2) && gcodes[i] == 0xA5)
-                i++;
-            size_t j = 0;
-            while (j < (size_t)ns && gs[j] == 0xA5)
-                j++;
-            GT_CHECK(i == (size_t)(R * C / 2) && j == (size_t)ns && (uint64_t)nf == 0xA5A5A5A5A5A5A5A5ull,
+            const size_t i = first_written(gcodes, (size_t)(R * C / 2)), j = first_written(gs, (size_t)ns);
+            GT_CHECK(i == (size_t)(R * C / 2) && j == (size_t)ns && first_written((unsigned char *)&nf, 8) == 8,
                      "sequence call %d: the refused call wrote (code byte %zu, scale byte %zu, count %llx)", k, i, j,
                      (unsigned long long)nf);
         } else {
