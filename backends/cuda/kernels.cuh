@@ -113,8 +113,9 @@ FM_DI uint32_t fm_bf16x2_e2m1(uint32_t x, uint32_t mul, uint32_t mexp)
     return __vminu2(s & 0x000F000Fu, 0x00070007u) | ((s >> 12) & 0x00080008u);
 }
 
-/* Four fm_bf16x2_e2m1 results of one row's elements (c[q]: 2q and 2q+1,
- * nothing outside bits 0-3 and 16-19) -> the row's eight codes, element i
+/* Four fm_bf16x2_e2m1 results of one row's elements (c[q]: 2q and 2q+1
+ * in bytes 0 and 2, at most 15 each; bytes 1 and 3 are not read, so
+ * fm_fp8x8_e2m1's sums pass as they are) -> the row's eight codes, element i
  * in bits 4i..4i+3. Bytes 0 and 2 of c[0], c[1] interleaved by one PRMT
  * (elements 0, 2, 1, 3 in bytes 0-3), then the high pair shifted onto the
  * low one by one LEA.HI: the add is an OR there, its nibbles do not meet. */
@@ -138,6 +139,64 @@ FM_DI void fm_e2m1_pairs_cols(const uint32_t c[8], uint32_t *col_lo, uint32_t *c
     }
     *col_lo = __byte_perm(a, b, 0x5410);
     *col_hi = __byte_perm(a, b, 0x7632);
+}
+
+/* 2^k as a half-precision number in both halves, k in [-24, 15]
+ * (subnormal below -14). */
+FM_DI uint32_t fm_h2_pow2(int k)
+{
+    const uint32_t h = k >= -14 ? (uint32_t)(k + 15) << 10 : 1u << (k + 24);
+    return h | (h << 16);
+}
+
+/* Eight FP8 codes of dtype TI (two words, byte i = element i) times 2^d ->
+ * eight E2M1 codes, element i in bits 4i..4i+3, equal to fm_e2m1_from_f32
+ * of the exact product: hm = fm_h2_pow2(d - 6), d in [-18, 21]. In half
+ * precision, on pairs: a = |v| 2^(d - 6) is exact wherever it can reach the
+ * E2M1 grid (an FP8 value has at most 4 significant bits, half precision is
+ * exact down to 2^-24 and the grid starts at 2^-8); a smaller product may
+ * round, but to something that still ends at 0. With CLAMP a is clamped to
+ * 6 2^-6 (an overflow to Inf included), as satfinite rounds; without, the
+ * caller knows no product passes it. Then one add rounds a on the grid: M =
+ * 2^(e + 9) for a in [2^e, 2^(e+1)) (floor 2^3) has the grid's step in that
+ * binade as its ulp, and M' = M plus 2 (e_M - 3) ulps, an even count, so the
+ * add's RNE is the grid's, and the sum's mantissa field is the binade's
+ * first code plus the steps above it: the E2M1 magnitude code, at most 7,
+ * so the low byte of each half is the code and nothing else (M' from t, the
+ * floored exponent bits: t + t / 2^9 + 0x2400 - 0x12). The signs come from
+ * the codes' bit 7 by two sign-replicating PRMTs, after the packing. The
+ * row conversion's path without the clamp takes 158 SASS instructions for
+ * 32 codes, 203 with the version before this one, which took the sign and
+ * the binade's first code pair by pair (S27, cuobjdump). The word must be
+ * one a block can hold: a NaN code, or without CLAMP a product past 6, may
+ * spill into its neighbours' codes (the callers write non-finite blocks
+ * themselves). Checked for every code in every place, every d, with and
+ * without CLAMP, by tests/gpu/test_cuda_hw_fp8_cvt_equals_codec.cu. */
+template <int TI, bool CLAMP>
+FM_DI uint32_t fm_fp8x8_e2m1(uint32_t w0, uint32_t w1, uint32_t hm)
+{
+    uint32_t c[4];
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        const uint32_t two = ((q < 2 ? w0 : w1) >> (16 * (q & 1))) & 0xFFFFu;
+        uint32_t h, a, s;
+        if (TI == FM_DTYPE_E4M3)
+            asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)two));
+        else
+            h = __byte_perm(two, 0u, 0x1404); /* an E5M2 code is the high byte of its F16 */
+        asm("{ .reg .b32 t; abs.f16x2 t, %1; mul.rn.f16x2 %0, t, %2; }" : "=r"(a) : "r"(h), "r"(hm));
+        if (CLAMP)
+            asm("min.f16x2 %0, %1, %2;" : "=r"(a) : "r"(a), "r"(0x2E002E00u)); /* 6 * 2^-6 */
+        const uint32_t t = __vmaxu2(a & 0x7C007C00u, 0x24002400u);
+        const uint32_t mp = t + (t >> 9) + 0x23EE23EEu;
+        asm("add.rn.f16x2 %0, %1, %2;" : "=r"(s) : "r"(a), "r"(mp));
+        c[q] = s;
+    }
+    uint32_t even, odd; /* byte j: 0xFF where element 2j (2j + 1) is negative */
+    asm("prmt.b32 %0, %1, %2, 0xECA8;" : "=r"(even) : "r"(w0), "r"(w1));
+    asm("prmt.b32 %0, %1, %2, 0xFDB9;" : "=r"(odd) : "r"(w0), "r"(w1));
+    const uint32_t sign = (even & 0x08080808u) | (odd & 0x80808080u);
+    return fm_e2m1_pairs_row(c) | sign;
 }
 
 /* Two F32 -> BF16 / F16 (RNE, F16 overflows to Inf) through the hardware

@@ -1858,7 +1858,7 @@ static cudaError_t rq_tma_launch(const rqparams &p, int sms, cudaStream_t s)
  *    tile kernel's lookup per element; the magnitudes' maximum is taken on
  *    16-bit lanes (VIMNMX.U16x2), two codes an instruction.
  *  - the codes: rq_encode_row, the tile kernel's arithmetic; for an E2M1
- *    output with 2^(d - 6) a half-precision number, rq_fp8_e2m1x8 below.
+ *    output with 2^(d - 6) a half-precision number, fm_fp8x8_e2m1 (kernels.cuh).
  *  - an E2M1 input is first spread into the E4M3 codes of its values times
  *    2^-6 (rq_e2m1_as_e4m3, exact), so that every input takes the FP8 path
  *    (tests/test_scale_exp_rules checks the monotonicity). */
@@ -1879,55 +1879,6 @@ FM_DI int rq_max_mag(const uint32_t (&w)[NW])
     }
     hi = __vmaxu2(hi >> 8, lo);
     return (int)max(hi & 0xFFFFu, hi >> 16);
-}
-
-/* 2^k as a half-precision number, k in [-24, 15] (subnormal below -14). */
-FM_DI uint32_t rq_h2_pow2(int k)
-{
-    const uint32_t h = k >= -14 ? (uint32_t)(k + 15) << 10 : 1u << (k + 24);
-    return h | (h << 16);
-}
-
-/* Eight FP8 codes (two words) -> eight E2M1 codes, times 2^d given as
- * hm = 2^(d - 6) in both halves, in half precision: the same grid rounding
- * as fm_e2m1_grid_e4m3 (which fm_fast_e2m1x8 runs in F32), on pairs. The
- * product |v| 2^(d - 6) is exact wherever it can reach the E2M1 grid (an
- * FP8 value has at most 4 significant bits, and half precision is exact
- * down to 2^-14 while the grid starts at 2^-8); a smaller product may be
- * rounded but still ends at 0, as in F32. With CLAMP a product above
- * 6 2^-6 (an overflow to Inf included) is clamped to it, as satfinite
- * rounds it; without, the caller knows there is none. Then |y| rounded to
- * the grid's step in its binade by adding and subtracting M = 2^(e + 9)
- * (floor 2^3): M's ulp is the step, the add rounds to nearest even, and the
- * sum's mantissa field counts steps above M, so the E2M1 code is that count
- * plus 2 (e_M - 3). About 14 SASS instructions a pair with CLAMP, 11
- * without (the packing included; S17's cuobjdump of rq_rows_kernel). */
-template <int TI, bool CLAMP>
-FM_DI uint32_t rq_fp8_e2m1x8(uint32_t w0, uint32_t w1, uint32_t hm)
-{
-    uint32_t c[4];
-#pragma unroll
-    for (int q = 0; q < 4; q++) {
-        const uint32_t two = ((q < 2 ? w0 : w1) >> (16 * (q & 1))) & 0xFFFFu;
-        uint32_t h;
-        if (TI == FM_DTYPE_E4M3)
-            asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)two));
-        else
-            h = __byte_perm(two, 0u, 0x1404); /* an E5M2 code is the high byte of its F16 */
-        __half2 a = __hmul2(__habs2(*(__half2 *)&h), *(__half2 *)&hm);
-        if (CLAMP)
-            a = __hmin2(a, __half2half2(__ushort_as_half((unsigned short)0x2E00u))); /* 6 * 2^-6 */
-        const uint32_t ab = *(uint32_t *)&a;
-        /* (__viaddmax_u16x2 would be one instruction fewer, but its addend
-         * needs a register, which the compiler rematerialises every pair at
-         * this kernel's 32) */
-        const uint32_t mb = __vmaxu2((ab & 0x7C007C00u) + 0x24002400u, 0x48004800u);
-        const __half2 sm = __hadd2(a, *(const __half2 *)&mb);
-        const uint32_t sb = *(const uint32_t *)&sm;
-        c[q] = (sb - mb + ((mb - 0x48004800u) >> 9)) | ((h >> 12) & 0x00080008u);
-    }
-    /* c[q]: element 2q in bits 0-3, 2q + 1 in bits 16-19 */
-    return fm_e2m1_pairs_row(c);
 }
 
 /* BI, BO: the input and output block widths when compiled in (both scale
@@ -2056,18 +2007,18 @@ FM_DI void rq_rows_segment(const rqparams &p, const int *lut, uint32_t sg, const
         const int pw = X ? pin + 6 : pin; /* the exponent of the words' values */
         const int d = pw - pv;
         if (TO == FM_DTYPE_E2M1 && d >= -18 && d <= 21) {
-            const uint32_t hm = rq_h2_pow2(d - 6);
+            const uint32_t hm = fm_h2_pow2(d - 6);
             /* The POW2 rule's exponent keeps every |v| 2^d <= 6 unless it was
              * clamped at 127 (a block past 6 2^127); MX_FLOOR's lets values
              * saturate. */
             if (p.rule != FM_REQUANT_MX_FLOOR && pv < 127) {
 #pragma unroll
                 for (int q = 0; q < 4; q++)
-                    o[q] = rq_fp8_e2m1x8<TI, false>(w[2 * q], w[2 * q + 1], hm);
+                    o[q] = fm_fp8x8_e2m1<TI, false>(w[2 * q], w[2 * q + 1], hm);
             } else {
 #pragma unroll
                 for (int q = 0; q < 4; q++)
-                    o[q] = rq_fp8_e2m1x8<TI, true>(w[2 * q], w[2 * q + 1], hm);
+                    o[q] = fm_fp8x8_e2m1<TI, true>(w[2 * q], w[2 * q + 1], hm);
             }
         } else {
             const float m = rq_mult(pw, pv);

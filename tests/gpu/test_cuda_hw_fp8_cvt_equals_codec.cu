@@ -7,6 +7,8 @@
  * the packed BF16 -> E2M1 encoder (fm_bf16x2_e2m1) gives fm_e2m1_from_f32 of
  * the F32 product for every BF16 value and every MX32 multiplier 2^k that
  * a block holding it can have (|x| 2^k < 8), in both halves of the pair; and
+ * the row conversions' FP8 -> E2M1 encoder (fm_fp8x8_e2m1) gives
+ * fm_e2m1_from_f32 of the exact product for every code, place and shift; and
  * fm_pick_scale_pow2 (the POW2 scale pick of the fused SwiGLU kernels) gives
  * fm_pick_scale's multiplier, F32 scale and E8M0 scale for every block
  * maximum (all 2^31 non-negative patterns and the NaNs, with eps 0 and 2^-40). */
@@ -115,6 +117,61 @@ __global__ void bf16_e2m1_kernel(unsigned long long *bad, unsigned int *first)
     }
 }
 
+/* FP8 codes times 2^d into E2M1 (fm_fp8x8_e2m1, the row conversions'
+ * encoder), for every code of each FP8 dtype in every one of the eight
+ * places, with every d in [-18, 21], with and without the clamp. The
+ * encoder's contract is a whole word of codes a block can hold: no NaN
+ * code, and without the clamp every |v| 2^d <= 6 (the caller writes NaN
+ * blocks itself and clamps where a value can pass 6). So the other seven
+ * places get codes no larger in magnitude than the one tested (those are
+ * valid wherever it is), with random signs, 16 words a thread.
+ * Thread i: code = i mod 256, place = (i / 256) mod 8, then d + 18 (40
+ * values), then the kind (dtype and clamp, 4). */
+__device__ float fp8_value(int ti, uint32_t code)
+{
+    return ti == FM_DTYPE_E4M3 ? fm_e4m3_to_f32((uint8_t)code) : fm_e5m2_to_f32((uint8_t)code);
+}
+
+template <int TI, bool CLAMP>
+__device__ bool fp8_e2m1_differs(uint32_t code, int place, int d)
+{
+    const float v = fp8_value(TI, code);
+    if (v != v || (!CLAMP && !(fabsf(v * fm_exp2i(d)) <= 6.0f)))
+        return false; /* no block holds it */
+    uint32_t h = code * 0x9E3779B1u + (uint32_t)(place * 977 + d * 131 + TI * 7 + CLAMP);
+    for (int rep = 0; rep < 16; rep++) {
+        uint8_t b[8];
+        for (int j = 0; j < 8; j++) {
+            h = h * 1664525u + 1013904223u;
+            const uint32_t mag = rep == 0 && j == 0 ? 0u : (h >> 8) % ((code & 0x7Fu) + 1u);
+            b[j] = (uint8_t)(mag | ((h >> 31) << 7));
+        }
+        b[place] = (uint8_t)code;
+        const uint32_t w0 = b[0] | b[1] << 8 | b[2] << 16 | (uint32_t)b[3] << 24;
+        const uint32_t w1 = b[4] | b[5] << 8 | b[6] << 16 | (uint32_t)b[7] << 24;
+        const uint32_t got = fm_fp8x8_e2m1<TI, CLAMP>(w0, w1, fm_h2_pow2(d - 6));
+        for (int j = 0; j < 8; j++) /* exact products: 4 significant bits, exponents far inside F32's */
+            if (((got >> (4 * j)) & 0xFu) != fm_e2m1_from_f32(fp8_value(TI, b[j]) * fm_exp2i(d)))
+                return true;
+    }
+    return false;
+}
+
+__global__ void fp8_e2m1_kernel(unsigned long long *bad, unsigned int *first)
+{
+    const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= 4u * 40u * 2048u)
+        return;
+    const uint32_t code = i & 0xFFu;
+    const int place = (int)((i >> 8) & 7u), d = (int)((i >> 11) % 40u) - 18, kind = (int)((i >> 11) / 40u);
+    const bool differs = kind == 0   ? fp8_e2m1_differs<FM_DTYPE_E4M3, false>(code, place, d)
+                         : kind == 1 ? fp8_e2m1_differs<FM_DTYPE_E4M3, true>(code, place, d)
+                         : kind == 2 ? fp8_e2m1_differs<FM_DTYPE_E5M2, false>(code, place, d)
+                                     : fp8_e2m1_differs<FM_DTYPE_E5M2, true>(code, place, d);
+    if (differs && atomicAdd(bad, 1ull) == 0)
+        *first = i;
+}
+
 __global__ void dec_kernel(unsigned long long *bad)
 {
     const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -161,6 +218,8 @@ int main(void)
     GT_CUDA(cudaGetLastError());
     bf16_e2m1_kernel<<<65536u * 254u / 256u, 256>>>(bad + 13, first + 13);
     GT_CUDA(cudaGetLastError());
+    fp8_e2m1_kernel<<<4u * 40u * 2048u / 256u, 256>>>(bad + 14, first + 14);
+    GT_CUDA(cudaGetLastError());
     GT_CUDA(cudaDeviceSynchronize());
     unsigned long long h[16];
     unsigned int f[16];
@@ -180,6 +239,11 @@ int main(void)
     GT_CHECK(h[13] == 0, "bf16x2 -> e2m1 (packed): %llu of 65536 x 254 pairs differ from format.h; first index %u", h[13],
              f[13]);
     printf("  encode %-22s every BF16 x every MX32 multiplier: %llu mismatches\n", "bf16x2 -> e2m1 packed", h[13]);
+    GT_CHECK(h[14] == 0,
+             "fp8x8 -> e2m1 (row conversions): %llu of 4 x 40 x 2048 cases differ from format.h; first index %u", h[14],
+             f[14]);
+    printf("  encode %-22s every FP8 code x place x shift -18..21, clamped or not: %llu mismatches\n",
+           "fp8x8 -> e2m1", h[14]);
     cudaFree(bad);
     cudaFree(first);
     fm_context_destroy(ctx);
