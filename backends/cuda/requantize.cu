@@ -2195,11 +2195,14 @@ FM_DI int64_t rq_check_off(const rqparams &p, int64_t i)
                                        cb << p.bi_shift);
 }
 
-FM_DI void rq_check_one(uint32_t bits, int64_t i, rqcheck *res)
+/* true where the scale is bad (and marked) */
+FM_DI bool rq_check_one(uint32_t bits, int64_t i, rqcheck *res)
 {
     int pp = 0;
-    if (!fm_f32_pow2_exp(__uint_as_float(bits), &pp))
-        atomicMax(&res->first_inv, ~(unsigned long long)i);
+    if (fm_f32_pow2_exp(__uint_as_float(bits), &pp))
+        return false;
+    atomicMax(&res->first_inv, ~(unsigned long long)i);
+    return true;
 }
 
 /* 16 bytes of scales kept in L2 ahead of the lines streamed past them
@@ -2218,13 +2221,22 @@ FM_DI uint4 rq_check_load(const uint4 *a)
     return v;
 }
 
+/* 16-byte loads a thread issues at once in the check before the row
+ * conversion: a CTA reads RQC_U x 4 KB of scales in one DRAM round trip
+ * instead of one round trip a load, and only a thread that marked a bad
+ * block fences. Untrusted 1x128 -> E2M1 146.5-146.8 -> 145.3-145.8 us
+ * (S26-7, H100); the same for the transposes moved the ragged per-expert
+ * one 369.7-370.3 -> 374.2-375.1 us, so they keep one load a step. */
+#define RQC_U 4
+
 /* The minimum index of a bad block, as the maximum of its complement (0:
  * none). The last CTA to finish settles the call: a bad block goes to the
  * context's pending finding (named as the CPU names it: row and block of
  * the token rows, or expert / group, stored row and block) and every later
  * kernel of the call sees the verdict and writes nothing; otherwise it
  * zeroes nonfinite_blocks, the call's first write. Compact scales are read
- * 16 bytes a thread (keep_l2: kept in L2 for the row conversion after it). */
+ * 16 bytes a thread (keep_l2: kept in L2 for the row conversion after it,
+ * RQC_U loads at once). */
 __global__ void __launch_bounds__(256) rq_check_kernel(const rqparams p, int64_t n, int token_rows, int keep_l2,
                                                        rqcheck *res, fm_cuda_pending *pend)
 {
@@ -2235,9 +2247,31 @@ __global__ void __launch_bounds__(256) rq_check_kernel(const rqparams p, int64_t
     const uint32_t *s = (const uint32_t *)p.in_scale;
     const int64_t stride = (int64_t)gridDim.x * blockDim.x, i0 = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
     int64_t tail = 0;
-    if (p.in_layout == FM_SCALE_LAYOUT_COMPACT && (uintptr_t)s % 16 == 0) {
+    bool found = false;
+    if (keep_l2 && p.in_layout == FM_SCALE_LAYOUT_COMPACT && (uintptr_t)s % 16 == 0) {
+        const int64_t nq = n / 4;
+        for (int64_t c0 = (int64_t)blockIdx.x * RQC_U * 256; c0 < nq; c0 += (int64_t)gridDim.x * RQC_U * 256) {
+            uint4 v[RQC_U];
+#pragma unroll
+            for (int u = 0; u < RQC_U; u++) {
+                const int64_t q = c0 + u * 256 + threadIdx.x;
+                v[u] = make_uint4(0x3F800000u, 0x3F800000u, 0x3F800000u, 0x3F800000u); /* 1.0 passes */
+                if (q < nq)
+                    v[u] = rq_check_load((const uint4 *)s + q);
+            }
+#pragma unroll
+            for (int u = 0; u < RQC_U; u++) {
+                const int64_t q = c0 + u * 256 + threadIdx.x;
+                found |= rq_check_one(v[u].x, 4 * q, res);
+                found |= rq_check_one(v[u].y, 4 * q + 1, res);
+                found |= rq_check_one(v[u].z, 4 * q + 2, res);
+                found |= rq_check_one(v[u].w, 4 * q + 3, res);
+            }
+        }
+        tail = nq * 4;
+    } else if (p.in_layout == FM_SCALE_LAYOUT_COMPACT && (uintptr_t)s % 16 == 0) {
         for (int64_t q = i0; q < n / 4; q += stride) {
-            const uint4 v = keep_l2 ? rq_check_load((const uint4 *)s + q) : __ldcs((const uint4 *)s + q);
+            const uint4 v = __ldcs((const uint4 *)s + q);
             rq_check_one(v.x, 4 * q, res);
             rq_check_one(v.y, 4 * q + 1, res);
             rq_check_one(v.z, 4 * q + 2, res);
@@ -2246,8 +2280,12 @@ __global__ void __launch_bounds__(256) rq_check_kernel(const rqparams p, int64_t
         tail = n / 4 * 4;
     }
     for (int64_t i = tail + i0; i < n; i += stride)
-        rq_check_one(s[rq_check_off(p, i)], i, res);
-    __threadfence();
+        found |= rq_check_one(s[rq_check_off(p, i)], i, res);
+    /* The last CTA reads only the marks, so only a marking thread needs
+     * the fence (about a DRAM round trip at the kernel's end); the checks
+     * before the transposes keep it everywhere, as S26-7 measured them. */
+    if (found || !keep_l2)
+        __threadfence();
     __syncthreads();
     if (threadIdx.x == 0)
         last = atomicAdd(&res->done, 1u) == gridDim.x - 1;
@@ -2660,7 +2698,9 @@ static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_
     if (check) {
         rqcheck *chk = (rqcheck *)fm_cuda_op_words(ctx);
         what = "power-of-two scale check: kernel launch";
-        rq_check_kernel<<<rq_grid(fm_cdiv(nblocks, 1024), (int64_t)sms * 4), 256, 0, s>>>(
+        const int64_t per_cta =
+            rows_path && p.in_layout == FM_SCALE_LAYOUT_COMPACT && (uintptr_t)in->scale % 16 == 0 ? 1024 * RQC_U : 1024;
+        rq_check_kernel<<<rq_grid(fm_cdiv(nblocks, per_cta), (int64_t)sms * 4), 256, 0, s>>>(
             p, nblocks, rows != NULL, rows_path, chk, fm_cuda(ctx)->pending);
         if ((err = cudaGetLastError()) != cudaSuccess)
             goto out;
