@@ -2230,8 +2230,10 @@ FM_DI uint4 rq_check_load(const uint4 *a)
  * conversion: a CTA reads RQC_U x 4 KB of scales in one DRAM round trip
  * instead of one round trip a load, and only a thread that marked a bad
  * block fences. Untrusted 1x128 -> E2M1 146.5-146.8 -> 145.3-145.8 us
- * (S26-7, H100); the same for the transposes moved the ragged per-expert
- * one 369.7-370.3 -> 374.2-375.1 us, so they keep one load a step. */
+ * (S26-7, H100), 144.2-144.9 -> 143.7-144.5 after the S27 encoder (S27-2);
+ * 8 loads were slower, 2 the same (S27-5). The same for the transposes
+ * moved the ragged per-expert one 369.7-370.3 -> 374.2-375.1 us (S26-7),
+ * so their check stays as it was. */
 #define RQC_U 4
 
 /* The minimum index of a bad block, as the maximum of its complement (0:
@@ -2288,7 +2290,7 @@ __global__ void __launch_bounds__(256) rq_check_kernel(const rqparams p, int64_t
         found |= rq_check_one(s[rq_check_off(p, i)], i, res);
     /* The last CTA reads only the marks, so only a marking thread needs
      * the fence (about a DRAM round trip at the kernel's end); the checks
-     * before the transposes keep it everywhere, as S26-7 measured them. */
+     * before the transposes keep it in every thread, as before S26-7. */
     if (found || !keep_l2)
         __threadfence();
     __syncthreads();
