@@ -2210,6 +2210,16 @@ FM_DI bool rq_check_one(uint32_t bits, int64_t i, rqcheck *res)
     return true;
 }
 
+/* Scales 4q .. 4q + 3 (one 16-byte load): true where one is bad. */
+FM_DI bool rq_check_four(uint4 v, int64_t q, rqcheck *res)
+{
+    bool bad = rq_check_one(v.x, 4 * q, res);
+    bad |= rq_check_one(v.y, 4 * q + 1, res);
+    bad |= rq_check_one(v.z, 4 * q + 2, res);
+    bad |= rq_check_one(v.w, 4 * q + 3, res);
+    return bad;
+}
+
 /* 16 bytes of scales kept in L2 ahead of the lines streamed past them
  * (evict_last), for a kernel that reads the same scales right after the
  * check: the row conversion (rq_rows_kernel) into E2M1, untrusted, 152.5 ->
@@ -2267,23 +2277,13 @@ __global__ void __launch_bounds__(256) rq_check_kernel(const rqparams p, int64_t
                     v[u] = rq_check_load((const uint4 *)s + q);
             }
 #pragma unroll
-            for (int u = 0; u < RQC_U; u++) {
-                const int64_t q = c0 + u * 256 + threadIdx.x;
-                found |= rq_check_one(v[u].x, 4 * q, res);
-                found |= rq_check_one(v[u].y, 4 * q + 1, res);
-                found |= rq_check_one(v[u].z, 4 * q + 2, res);
-                found |= rq_check_one(v[u].w, 4 * q + 3, res);
-            }
+            for (int u = 0; u < RQC_U; u++)
+                found |= rq_check_four(v[u], c0 + u * 256 + threadIdx.x, res);
         }
         tail = nq * 4;
     } else if (p.in_layout == FM_SCALE_LAYOUT_COMPACT && (uintptr_t)s % 16 == 0) {
-        for (int64_t q = i0; q < n / 4; q += stride) {
-            const uint4 v = __ldcs((const uint4 *)s + q);
-            rq_check_one(v.x, 4 * q, res);
-            rq_check_one(v.y, 4 * q + 1, res);
-            rq_check_one(v.z, 4 * q + 2, res);
-            rq_check_one(v.w, 4 * q + 3, res);
-        }
+        for (int64_t q = i0; q < n / 4; q += stride)
+            rq_check_four(__ldcs((const uint4 *)s + q), q, res);
         tail = n / 4 * 4;
     }
     for (int64_t i = tail + i0; i < n; i += stride)
