@@ -33,13 +33,18 @@
 /* in the tile kernel's MODE: both outputs store their scales tile-major
  * (qout.tmaj) */
 #define QTM_FLAG 0x100
+/* in the tile kernel's MODE, with BF16 into E2M1 outputs only: every output
+ * takes the POW2 rule, so no value passes 6 and the packed codes leave
+ * through fm_e2m1_sums_row / _cols instead of a clamp a pair */
+#define QNC_FLAG 0x200
+#define QMODE_FLAGS (QTM_FLAG | QNC_FLAG)
 /* CTAs per SM the tile kernel's registers are capped for. A BF16 tile stays
  * packed: with both outputs, or with MX32 blocks, it fits 64 registers
  * without spilling, so four CTAs share an SM; the other single-output BF16
  * kernels fit 80 (three CTAs; at 64 they spill a few bytes). F32 and F16
  * tiles need about 108 (two CTAs). */
 #define FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE)                                                         \
-    ((IN) != FM_DTYPE_BF16 ? 2 : ((RE) && (CE)) || ((MODE) & ~QTM_FLAG) == FM_SCALE_MX32 ? 4 : 3)
+    ((IN) != FM_DTYPE_BF16 ? 2 : ((RE) && (CE)) || ((MODE) & ~QMODE_FLAGS) == FM_SCALE_MX32 ? 4 : 3)
 
 typedef struct qout {
     uint8_t *data;
@@ -251,7 +256,7 @@ static __device__ __forceinline__ int tsm_e2m1_off(int c, int u)
     return c * 128 + 4 * (((u ^ (c >> 3)) & 15) | (((u ^ c) & 1) << 4));
 }
 
-/* MODE & ~QTM_FLAG: 0 reads each output's scaling mode at run time; FM_SCALE_BLOCK_1x128 or
+/* MODE & ~QMODE_FLAGS: 0 reads each output's scaling mode at run time; FM_SCALE_BLOCK_1x128 or
  * FM_SCALE_MX32 promises that every output present has that mode, so the
  * compiler drops the other modes' code and the predicates it keeps live (the
  * BF16 activation paths get these). With QTM_FLAG both outputs store
@@ -273,17 +278,23 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
     const int tid = threadIdx.x, w = tid >> 5, l = tid & 31, hr = l >> 4, cv = l & 15;
     const qout &orow = p.o[0];
     const qout &ocol = p.o[1];
-    constexpr int BM = MODE & ~QTM_FLAG;
+    constexpr int BM = MODE & ~QMODE_FLAGS;
     constexpr bool TM = (MODE & QTM_FLAG) != 0;
     /* The tile-major scales of the FP8 kernels stay in L2 (put_scale):
      * [32768, 7168] row+col 1x128 361.9 -> 356.8 us, MX32 364.1 -> 358.6-360.1
-     * (S25-5, H100, against the tree before, twice each). Not for E2M1
-     * outputs, whose kernel runs on issue slots: 339.7 -> 341.6-344.5 us. */
-    constexpr bool KEEP = TM && RE != FM_DTYPE_E2M1 && CE != FM_DTYPE_E2M1;
+     * (S25-5, H100, against the tree before, twice each). Not for the E2M1
+     * kernel that clamps, which runs on issue slots: 339.7 -> 341.6-344.5 us;
+     * the one of QNC_FLAG gains: 289.8 -> 286.0 us (S28-7). */
+    constexpr bool KEEP = TM && ((RE != FM_DTYPE_E2M1 && CE != FM_DTYPE_E2M1) || (MODE & QNC_FLAG));
     /* BF16 into E2M1 outputs only: encode packed pairs (fm_bf16x2_e2m1). With
      * an FP8 output beside, the F32 path, which keeps those kernels within 64
      * registers (the packed one spilled 8-22 bytes there when tried). */
     constexpr bool PK = IN == FM_DTYPE_BF16 && (RE == FM_DTYPE_E2M1 || !RE) && (CE == FM_DTYPE_E2M1 || !CE);
+    /* ... and without the clamp (QNC_FLAG): that kernel runs on the integer
+     * ALU pipe (Nsight Compute S28-1: 93% of its cycles), and the codes'
+     * extraction two pairs at a time takes about half its instructions a
+     * pair */
+    constexpr bool NC = PK && (MODE & QNC_FLAG) != 0;
     const int rmode = BM ? BM : orow.mode, cmode = BM ? BM : ocol.mode;
     const bool need_tmax = p.amax || (RE && rmode == FM_SCALE_BLOCK_128x128) ||
                            (CE && cmode == FM_SCALE_BLOCK_128x128);
@@ -420,8 +431,8 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                     uint32_t c[4];
 #pragma unroll
                     for (int q = 0; q < 4; q++)
-                        c[q] = fm_bf16x2_e2m1(v[k][q], mul, me);
-                    code.x = fm_e2m1_pairs_row(c);
+                        c[q] = NC ? fm_bf16x2_e2m1_sum(v[k][q], mul, me) : fm_bf16x2_e2m1(v[k][q], mul, me);
+                    code.x = NC ? fm_e2m1_sums_row(c) : fm_e2m1_pairs_row(c);
                     code.y = 0;
                 } else {
                     float y[8];
@@ -466,7 +477,13 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                 for (int j = 0; j < 8; j++) {
                     uint32_t m = col_absmax<IN>(v, j);
                     m = fm_umax(m, __shfl_xor_sync(0xFFFFFFFFu, m, 16));
-                    if (hr == 0)
+                    /* The packed E2M1 kernels store from both half-warps
+                     * (the same word): no predicated region, in each of
+                     * which they rebuilt the address (S28-4). The others
+                     * keep the predicate, which they need to stay spill-free;
+                     * the E2M1 ones spill 4-16 bytes with it, all in the
+                     * tile load (stored and reloaded once a tile). */
+                    if (PK || hr == 0)
                         red[w][j * 16 + cv] = m;
                 }
                 __syncthreads();
@@ -532,8 +549,11 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                     uint32_t c8[8], code[2];
 #pragma unroll
                     for (int k = 0; k < 8; k++)
-                        c8[k] = fm_bf16x2_e2m1(v[k][q], mul, me);
-                    fm_e2m1_pairs_cols(c8, &code[0], &code[1]);
+                        c8[k] = NC ? fm_bf16x2_e2m1_sum(v[k][q], mul, me) : fm_bf16x2_e2m1(v[k][q], mul, me);
+                    if (NC)
+                        fm_e2m1_sums_cols(c8, &code[0], &code[1]);
+                    else
+                        fm_e2m1_pairs_cols(c8, &code[0], &code[1]);
 #pragma unroll
                     for (int h = 0; h < 2; h++) {
                         const int j = 2 * q + h;
@@ -562,20 +582,31 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
             const bool vs = full && ocol.vec;
             uint8_t *dst = ocol.data + e * ocol.code_bytes;
             if (CE == FM_DTYPE_E2M1) {
-                /* vs: a pass moves 16 stored rows on (rows % 8 == 0) */
-                uint8_t *const cbase = dst + ((c0 + (tid >> 4)) * p.rows + r0 + 8 * (tid & 15)) / 2;
+                /* Pass `pass` reads tile column c = tid / 16 + 16 pass, unit
+                 * uu = tid % 16: tsm_e2m1_off(c, uu) is a base plus 2048 pass
+                 * plus 4 (ub ^ 2 pass), since c / 8 = tid / 128 + 2 pass and
+                 * (uu ^ c) & 1 stays; the compiler rebuilt it from c and uu in
+                 * every pass (S28-4: 11 instructions a pass). */
+                const int cq = tid >> 4, uu = tid & 15, ub = uu ^ (tid >> 7);
+                const int tb = cq * 128 + (((uu ^ cq) & 1) << 6);
+                if (vs) {
+                    /* a pass moves 16 stored rows on (rows % 8 == 0) */
+                    uint8_t *const cbase = dst + ((c0 + cq) * p.rows + r0 + 8 * uu) / 2;
 #pragma unroll
-                for (int pass = 0; pass < 8; pass++) {
-                    const int idx = tid + pass * QTHREADS, c = idx >> 4, uu = idx & 15;
-                    uint32_t word = *(const uint32_t *)(tsm + tsm_e2m1_off(c, uu));
-                    const int64_t sr = c0 + c, sc = r0 + 8 * uu; /* stored row, first stored column */
-                    if (vs) {
-                        __stcs((unsigned int *)(cbase + pass * 8 * p.rows), word);
-                    } else if (sr < p.cols) {
+                    for (int pass = 0; pass < 8; pass++)
+                        __stcs((unsigned int *)(cbase + pass * 8 * p.rows),
+                               *(const uint32_t *)(tsm + tb + pass * 2048 + 4 * (ub ^ (2 * pass))));
+                } else {
 #pragma unroll
-                        for (int b = 0; b < 4; b++)
-                            if (sc + 2 * b < p.rows)
-                                dst[(sr * p.rows + sc) / 2 + b] = (uint8_t)(word >> (8 * b));
+                    for (int pass = 0; pass < 8; pass++) {
+                        const uint32_t word = *(const uint32_t *)(tsm + tb + pass * 2048 + 4 * (ub ^ (2 * pass)));
+                        const int64_t sr = c0 + cq + 16 * pass, sc = r0 + 8 * uu; /* stored row, first column */
+                        if (sr < p.cols) {
+#pragma unroll
+                            for (int b = 0; b < 4; b++)
+                                if (sc + 2 * b < p.rows)
+                                    dst[(sr * p.rows + sc) / 2 + b] = (uint8_t)(word >> (8 * b));
+                        }
                     }
                 }
             } else {
@@ -856,6 +887,10 @@ static void launch_tile(const qparams &p, int re, int ce, unsigned grid, cudaStr
         }
 #define FM_Q_ROW(R_)                                                               \
     FM_Q_CASE(R_, 0) FM_Q_CASE(R_, FM_DTYPE_E4M3) FM_Q_CASE(R_, FM_DTYPE_E5M2)
+    if constexpr ((MODE & QNC_FLAG) != 0) { /* BF16 into E2M1 outputs only */
+        FM_Q_CASE(0, FM_DTYPE_E2M1) FM_Q_CASE(FM_DTYPE_E2M1, 0) FM_Q_CASE(FM_DTYPE_E2M1, FM_DTYPE_E2M1)
+        return;
+    }
     FM_Q_CASE(0, FM_DTYPE_E4M3) FM_Q_CASE(0, FM_DTYPE_E5M2)
     FM_Q_ROW(FM_DTYPE_E4M3) FM_Q_ROW(FM_DTYPE_E5M2)
     if ((MODE & ~QTM_FLAG) != FM_SCALE_BLOCK_1x128) { /* E2M1 exists with MX32 only */
@@ -1088,13 +1123,21 @@ extern "C" fm_status fm_cuda_quantize(fm_context *ctx, const fm_quant_config *cf
 
     if (p.ntiles) {
         const int re = out_row ? out_row->dtype : 0, ce = out_col ? out_col->dtype : 0;
+        /* BF16 into E2M1 outputs only (MX32), every one under POW2 */
+        const int nc = in->dtype == FM_DTYPE_BF16 && hint == FM_SCALE_MX32 &&
+                       (re == FM_DTYPE_E2M1 || !re) && (ce == FM_DTYPE_E2M1 || !ce) &&
+                       (!re || p.o[0].rule == FM_SCALE_RULE_POW2) && (!ce || p.o[1].rule == FM_SCALE_RULE_POW2);
         unsigned g = grid_for(p.ntiles, (int64_t)1 << 30);
         if (in->dtype == FM_DTYPE_F32)
             launch_tile<FM_DTYPE_F32, 0>(p, re, ce, g, s);
         else if (tmaj && hint == FM_SCALE_BLOCK_1x128)
             launch_tile<FM_DTYPE_BF16, FM_SCALE_BLOCK_1x128 | QTM_FLAG>(p, re, ce, g, s);
+        else if (tmaj && nc)
+            launch_tile<FM_DTYPE_BF16, FM_SCALE_MX32 | QTM_FLAG | QNC_FLAG>(p, re, ce, g, s);
         else if (tmaj)
             launch_tile<FM_DTYPE_BF16, FM_SCALE_MX32 | QTM_FLAG>(p, re, ce, g, s);
+        else if (nc)
+            launch_tile<FM_DTYPE_BF16, FM_SCALE_MX32 | QNC_FLAG>(p, re, ce, g, s);
         else if (in->dtype == FM_DTYPE_BF16 && hint == FM_SCALE_BLOCK_1x128)
             launch_tile<FM_DTYPE_BF16, FM_SCALE_BLOCK_1x128>(p, re, ce, g, s);
         else if (in->dtype == FM_DTYPE_BF16 && hint == FM_SCALE_MX32)

@@ -9,6 +9,8 @@
  * a block holding it can have (|x| 2^k < 8), in both halves of the pair; and
  * the row conversions' FP8 -> E2M1 encoder (fm_fp8x8_e2m1) gives
  * fm_e2m1_from_f32 of the exact product for every code, place and shift; and
+ * the POW2 quantize's packing of those sums (fm_e2m1_sums_row / _cols)
+ * gives the same for every BF16 value, multiplier and place; and
  * fm_pick_scale_pow2 (the POW2 scale pick of the fused SwiGLU kernels) gives
  * fm_pick_scale's multiplier, F32 scale and E8M0 scale for every block
  * maximum (all 2^31 non-negative patterns and the NaNs, with eps 0 and 2^-40). */
@@ -117,6 +119,94 @@ __global__ void bf16_e2m1_kernel(unsigned long long *bad, unsigned int *first)
     }
 }
 
+/* The POW2 quantize's E2M1 packing (fm_bf16x2_e2m1_sum<true>, then
+ * fm_e2m1_sums_row / _cols): every BF16 x with every k whose product a POW2
+ * block holds (|x| 2^k <= 6, finite), in a place of a row of 8 (one
+ * multiplier) and of a column pair (8 rows x 2 columns, each column its own
+ * multiplier), beside random values such a block holds; every eighth column
+ * pair has a non-finite block beside (a NaN multiplier over any bits),
+ * whose codes the caller replaces, so only x's column is checked there.
+ * Thread i: x = i mod 2^16, k = i / 2^16 - 126. */
+__device__ uint32_t xs32(uint32_t *h)
+{
+    *h ^= *h << 13;
+    *h ^= *h >> 17;
+    *h ^= *h << 5;
+    return *h;
+}
+
+__device__ bool pow2_holds(uint32_t x, int k)
+{
+    const float f = __uint_as_float(x << 16);
+    return fabsf(f) <= 3.4e38f && fabsf(f * fm_exp2i(k)) <= 6.0f;
+}
+
+/* a random BF16 a POW2 block with multiplier 2^k holds: an exponent near
+ * the grid's (or any, or a signed zero) */
+__device__ uint32_t pow2_pick(uint32_t *h, int k)
+{
+    for (int t = 0; t < 8; t++) {
+        const uint32_t r = xs32(h);
+        const int e = (int)(r >> 24) % 16 - 11 - k + 127; /* |v| 2^k in [2^-11, 2^5) */
+        const uint32_t x = (r & 0x807Fu) | ((r & 0x10000u) ? (r >> 8) & 0x7F80u : (uint32_t)(e & 0xFF) << 7);
+        if (e > 0 && e < 255 && pow2_holds(x, k))
+            return x;
+    }
+    return xs32(h) & 0x8000u;
+}
+
+__device__ uint32_t e2m1_of(uint32_t x, int k) { return fm_e2m1_from_f32(__uint_as_float(x << 16) * fm_exp2i(k)); }
+
+__global__ void e2m1_sums_kernel(unsigned long long *bad, unsigned int *first)
+{
+    const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= 65536u * 254u)
+        return;
+    const uint32_t x = i & 0xFFFFu;
+    const int k = (int)(i >> 16) - 126;
+    if (!pow2_holds(x, k))
+        return; /* no POW2 block holds it */
+    uint32_t h = i * 2654435761u + 0x9E3779B9u;
+    bool differs = false;
+    /* a row */
+    {
+        const int place = (int)(xs32(&h) & 7u);
+        uint32_t e[8], s[4];
+        for (int j = 0; j < 8; j++)
+            e[j] = j == place ? x : pow2_pick(&h, k);
+        const uint32_t mul = fm_e2m1_mul2(fm_exp2i(k), fm_exp2i(k)), me = fm_e2m1_mexp(mul);
+        for (int q = 0; q < 4; q++)
+            s[q] = fm_bf16x2_e2m1_sum(e[2 * q] | (e[2 * q + 1] << 16), mul, me);
+        const uint32_t got = fm_e2m1_sums_row(s);
+        for (int j = 0; j < 8; j++)
+            differs |= ((got >> (4 * j)) & 0xFu) != e2m1_of(e[j], k);
+    }
+    /* a column pair: x in column c of row r, the other column with its own k */
+    {
+        const uint32_t r0 = xs32(&h);
+        const int row = (int)(r0 & 7u), c = (int)((r0 >> 3) & 1u), ko = (int)((r0 >> 8) % 254u) - 126;
+        const bool nan_beside = ((r0 >> 4) & 7u) == 0;
+        const int kc[2] = {c ? ko : k, c ? k : ko};
+        uint32_t e[8][2], s[8];
+        for (int r = 0; r < 8; r++)
+            for (int j = 0; j < 2; j++)
+                e[r][j] = r == row && j == c ? x : nan_beside && j != c ? xs32(&h) & 0xFFFFu : pow2_pick(&h, kc[j]);
+        const float m0 = fm_exp2i(kc[0]), m1 = fm_exp2i(kc[1]), nan = __uint_as_float(FM_F32_CANON_NAN);
+        const uint32_t mul = fm_e2m1_mul2(nan_beside && c == 1 ? nan : m0, nan_beside && c == 0 ? nan : m1);
+        const uint32_t me = fm_e2m1_mexp(mul);
+        for (int r = 0; r < 8; r++)
+            s[r] = fm_bf16x2_e2m1_sum(e[r][0] | (e[r][1] << 16), mul, me);
+        uint32_t col[2];
+        fm_e2m1_sums_cols(s, &col[0], &col[1]);
+        for (int j = 0; j < 2; j++)
+            if (!nan_beside || j == c)
+                for (int r = 0; r < 8; r++)
+                    differs |= ((col[j] >> (4 * r)) & 0xFu) != e2m1_of(e[r][j], kc[j]);
+    }
+    if (differs && atomicAdd(bad, 1ull) == 0)
+        *first = i;
+}
+
 /* FP8 codes times 2^d into E2M1 (fm_fp8x8_e2m1, the row conversions'
  * encoder), for every code of each FP8 dtype in every one of the eight
  * places, with every d in [-18, 21], with and without the clamp. The
@@ -220,6 +310,8 @@ int main(void)
     GT_CUDA(cudaGetLastError());
     fp8_e2m1_kernel<<<4u * 40u * 2048u / 256u, 256>>>(bad + 14, first + 14);
     GT_CUDA(cudaGetLastError());
+    e2m1_sums_kernel<<<65536u * 254u / 256u, 256>>>(bad + 15, first + 15);
+    GT_CUDA(cudaGetLastError());
     GT_CUDA(cudaDeviceSynchronize());
     unsigned long long h[16];
     unsigned int f[16];
@@ -244,6 +336,12 @@ int main(void)
              f[14]);
     printf("  encode %-22s every FP8 code x place x shift -18..21, clamped or not: %llu mismatches\n",
            "fp8x8 -> e2m1", h[14]);
+    GT_CHECK(h[15] == 0,
+             "bf16x2 -> e2m1 sums packed by row and column (POW2): %llu of 65536 x 254 cases differ from format.h; "
+             "first index %u",
+             h[15], f[15]);
+    printf("  encode %-22s every BF16 x every POW2 multiplier, a row and a column pair: %llu mismatches\n",
+           "bf16 sums -> e2m1", h[15]);
     cudaFree(bad);
     cudaFree(first);
     fm_context_destroy(ctx);
