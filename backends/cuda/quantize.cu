@@ -314,7 +314,7 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
      * pair */
     constexpr bool NC = PK && (MODE & QNC_FLAG) != 0;
     /* ... and take their block maxima twice over (row_absmax's D2): 299.9
-     * -> 293.1 us in one binary (S28-9) */
+     * -> 293.1 us in one call (S28-9), 285.3 -> 281.5 (S28-10) */
     constexpr bool D2 = NC;
     const int rmode = BM ? BM : orow.mode, cmode = BM ? BM : ocol.mode;
     const bool need_tmax = p.amax || (RE && rmode == FM_SCALE_BLOCK_128x128) ||
