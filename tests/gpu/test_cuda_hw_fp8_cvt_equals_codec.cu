@@ -10,7 +10,8 @@
  * the row conversions' FP8 -> E2M1 encoder (fm_fp8x8_e2m1) gives
  * fm_e2m1_from_f32 of the exact product for every code, place and shift; and
  * the POW2 quantize's packing of those sums (fm_e2m1_sums_row / _cols)
- * gives the same for every BF16 value, multiplier and place; and
+ * gives the same for every BF16 value and multiplier, in a random place of
+ * a row and of a column pair; and
  * fm_pick_scale_pow2 (the POW2 scale pick of the fused SwiGLU kernels) gives
  * fm_pick_scale's multiplier, F32 scale and E8M0 scale for every block
  * maximum (all 2^31 non-negative patterns and the NaNs, with eps 0 and 2^-40). */
@@ -119,7 +120,7 @@ __global__ void bf16_e2m1_kernel(unsigned long long *bad, unsigned int *first)
     }
 }
 
-/* The POW2 quantize's E2M1 packing (fm_bf16x2_e2m1_sum<true>, then
+/* The POW2 quantize's E2M1 packing (fm_bf16x2_e2m1_sum, then
  * fm_e2m1_sums_row / _cols): every BF16 x with every k whose product a POW2
  * block holds (|x| 2^k <= 6, finite), in a place of a row of 8 (one
  * multiplier) and of a column pair (8 rows x 2 columns, each column its own
