@@ -268,7 +268,9 @@ static __device__ __forceinline__ int pcol(int c) { return (c & 7) * 16 + (c >> 
 /* Byte offset in the column-code tile (tsm) of the E2M1 word of tile column
  * c and 8-row unit u: 4-byte units XOR-swizzled by the column's 8-column
  * group and parity, so that both the encode's writes and the store pass's
- * reads avoid bank conflicts. */
+ * reads avoid bank conflicts. The store pass reads it in a closed form per
+ * pass (quant_tile_kernel, "Pass `pass` reads ..."): a change of swizzle
+ * changes both (the quantize test's E2M1 column outputs catch a mismatch). */
 static __device__ __forceinline__ int tsm_e2m1_off(int c, int u)
 {
     return c * 128 + 4 * (((u ^ (c >> 3)) & 15) | (((u ^ c) & 1) << 4));
