@@ -97,22 +97,44 @@ FM_DI uint32_t fm_e2m1_mexp(uint32_t mul) { return __vadd2(mul, 0xC380C380u); }
  * the E2M1 one and s's mantissa field counts steps above M; M' = M (1 + 2d
  * / 128), d = e_M - 6 in {0, 1, 2}, adds the code of the binade's first
  * grid point, so the field is the E2M1 magnitude code (8 where MX_FLOOR
- * lets a value round past 6: clamped to 7, satfinite); M' takes x's sign,
- * so s has it too. Every integer step stays inside its 16-bit half: u is
- * in [0x4280, 0x7FFF] per half, so u - 0x4280 borrows from no other half
- * and u plus the offset stays below 0x8100, and the sign joins by OR
- * (a plain add would carry out of a half whose value is out of range).
- * fm_bf16x2_e2m1_sum stops at s: each half's bits 0-3 hold the magnitude
- * code, bit 7 the sum's exponent LSB and bit 15 the sign, which
- * fm_e2m1_sums_row / _cols take out two pairs at a time. Checked for every
- * BF16 x and k by tests/gpu/test_cuda_hw_fp8_cvt_equals_codec.cu, with Inf
- * and NaN beside in the other half, the sums' packing on random words too. */
-FM_DI uint32_t fm_bf16x2_e2m1_sum(uint32_t x, uint32_t mul, uint32_t mexp)
+ * lets a value round past 6: clamped to 7, satfinite). Every integer step
+ * stays inside its 16-bit half: u is in [0x4280, 0x7FFF] per half, so
+ * u - 0x4280 borrows from no other half and u plus the offset stays below
+ * 0x8100. fm_bf16x2_e2m1_mp gives M' without a sign. Checked for every BF16
+ * x and k by tests/gpu/test_cuda_hw_fp8_cvt_equals_codec.cu, with Inf and
+ * NaN beside in the other half, the sums' packing on random words too. */
+FM_DI uint32_t fm_bf16x2_e2m1_mp(uint32_t x, uint32_t mexp)
 {
     const uint32_t u = __viaddmax_s16x2(x & 0x7F807F80u, mexp, 0x42804280u); /* e_M << 7, biased */
-    const uint32_t mp = (u + ((u - 0x42804280u) >> 6)) | (x & 0x80008000u);
+    return u + ((u - 0x42804280u) >> 6);
+}
+
+/* s = x 2^k + M' with M' of x's sign (joined by OR: a plain add would carry
+ * out of a half whose value is out of range), so s has it too: each half's
+ * bits 0-3 hold the magnitude code, bit 15 the sign. */
+FM_DI uint32_t fm_bf16x2_e2m1_sum(uint32_t x, uint32_t mul, uint32_t mexp)
+{
+    const uint32_t mp = fm_bf16x2_e2m1_mp(x, mexp) | (x & 0x80008000u);
     uint32_t s;
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(s) : "r"(x), "r"(mul), "r"(mp));
+    return s;
+}
+
+/* s = |x| 2^k + M': the magnitude alone, the sign left in x for the
+ * packing (fm_e2m1_sums_row / _cols). The abs is an HFMA2 on the FMA pipe
+ * where _sum's sign takes a LOP3 on the integer ALU, which the POW2 E2M1
+ * row+col quantize saturates: 282.0-282.7 -> 279.9-280.2 us (S29-1, H100).
+ * Moving M' to the FMA pipe too (0x4280 + ((65 t) >> 6) by an IMAD, t =
+ * 128 d from a VIADDMNMX with floor 0: one ALU instruction a pair fewer)
+ * measured no faster (S29-1, 276.3-276.7 against 276.4-276.9 us) and needs
+ * a non-finite column's multiplier that keeps t = 0 in its half. */
+FM_DI uint32_t fm_bf16x2_e2m1_mag(uint32_t x, uint32_t mul, uint32_t mexp)
+{
+    const uint32_t mp = fm_bf16x2_e2m1_mp(x, mexp);
+    uint32_t s;
+    asm("{\n\t.reg .b32 a;\n\tabs.bf16x2 a, %1;\n\tfma.rn.bf16x2 %0, a, %2, %3;\n\t}"
+        : "=r"(s)
+        : "r"(x), "r"(mul), "r"(mp));
     return s;
 }
 
@@ -122,46 +144,49 @@ FM_DI uint32_t fm_bf16x2_e2m1(uint32_t x, uint32_t mul, uint32_t mexp)
     return __vminu2(s & 0x000F000Fu, 0x00070007u) | ((s >> 12) & 0x00080008u);
 }
 
-/* Four E2M1 codes from two fm_bf16x2_e2m1_sum results a, b whose magnitude
- * codes are at most 7 (no value past 6, as under the POW2 rule): the code
- * bytes (byte 0 or 2 of a half) picked by SEL (a's bytes 0-3, b's 4-7),
- * each with its half's sign in bit 3 (a sign-replicating PRMT of the half's
- * high byte), then byte 2 added onto byte 0 and byte 3 onto byte 1 as their
- * high nibbles (one LEA.HI). The low 16 bits hold the four nibbles; the
- * rest is not read. The shift-adds here and in fm_bf16x2_e2m1_sum as IMAD.HI
+/* Four E2M1 codes from two fm_bf16x2_e2m1_mag results a, b whose magnitude
+ * codes are at most 7 (no value past 6, as under the POW2 rule), and the
+ * BF16 words xa, xb they came from: the code bytes (byte 0 or 2 of a half)
+ * picked by SEL (a's bytes 0-3, b's 4-7), each with its element's sign in
+ * bit 3 (a sign-replicating PRMT of the same halves' high bytes in x),
+ * then byte 2 added onto byte 0 and byte 3 onto byte 1 as their high
+ * nibbles (one LEA.HI). The low 16 bits hold the four nibbles; the rest is
+ * not read. The shift-adds here and in fm_bf16x2_e2m1_mp as IMAD.HI
  * (mad.hi by 2^k + 1, which ptxas cannot turn back into an ALU shift), to
  * unload the integer ALU, measured slower: each took an IMAD.MOV for its
  * 64-bit addend (S28-5: 303.5 us against 290.0 with both as shifts). */
 template <uint32_t SEL>
-FM_DI uint32_t fm_e2m1_nib4(uint32_t a, uint32_t b)
+FM_DI uint32_t fm_e2m1_nib4(uint32_t a, uint32_t b, uint32_t xa, uint32_t xb)
 {
     uint32_t g, x;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(g) : "r"(a), "r"(b), "n"(SEL + 0x9999u));
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(g) : "r"(xa), "r"(xb), "n"(SEL + 0x9999u));
     x = (__byte_perm(a, b, SEL) & 0x07070707u) | (g & 0x08080808u);
     return x + (x >> 12);
 }
 
-/* Four fm_bf16x2_e2m1_sum results of one row (s[q]: elements 2q, 2q + 1),
- * codes at most 7 -> the row's eight codes, element i in bits 4i..4i+3:
- * the same bits as fm_e2m1_pairs_row of fm_bf16x2_e2m1, with about half the
- * integer ALU instructions a pair. */
-FM_DI uint32_t fm_e2m1_sums_row(const uint32_t s[4])
+/* Four fm_bf16x2_e2m1_mag results of one row (s[q]: elements 2q, 2q + 1
+ * of the BF16 words x[q]), codes at most 7 -> the row's eight codes,
+ * element i in bits 4i..4i+3: the same bits as fm_e2m1_pairs_row of
+ * fm_bf16x2_e2m1, with about half the integer ALU instructions a pair. */
+FM_DI uint32_t fm_e2m1_sums_row(const uint32_t s[4], const uint32_t x[4])
 {
     /* bytes: elements 0, 2, 1, 3, so the shift puts 1 over 0 and 3 over 2 */
-    return __byte_perm(fm_e2m1_nib4<0x6240u>(s[0], s[1]), fm_e2m1_nib4<0x6240u>(s[2], s[3]), 0x5410);
+    return __byte_perm(fm_e2m1_nib4<0x6240u>(s[0], s[1], x[0], x[1]),
+                       fm_e2m1_nib4<0x6240u>(s[2], s[3], x[2], x[3]), 0x5410);
 }
 
-/* Eight fm_bf16x2_e2m1_sum results of one column pair (s[k]: row k of
- * columns 2q and 2q + 1), codes at most 7 -> each column's eight codes, row
- * k in bits 4k..4k+3 (as fm_e2m1_pairs_cols of fm_bf16x2_e2m1). */
-FM_DI void fm_e2m1_sums_cols(const uint32_t s[8], uint32_t *col_lo, uint32_t *col_hi)
+/* Eight fm_bf16x2_e2m1_mag results of one column pair (s[k]: row k of
+ * columns 2q and 2q + 1, from the BF16 word x[k]), codes at most 7 -> each
+ * column's eight codes, row k in bits 4k..4k+3 (as fm_e2m1_pairs_cols of
+ * fm_bf16x2_e2m1). */
+FM_DI void fm_e2m1_sums_cols(const uint32_t s[8], const uint32_t x[8], uint32_t *col_lo, uint32_t *col_hi)
 {
-    /* x[j]: byte 0 rows 2j, 2j + 1 of the low column, byte 1 of the high */
-    uint32_t x[4];
+    /* w[j]: byte 0 rows 2j, 2j + 1 of the low column, byte 1 of the high */
+    uint32_t w[4];
 #pragma unroll
     for (int j = 0; j < 4; j++)
-        x[j] = fm_e2m1_nib4<0x6420u>(s[2 * j], s[2 * j + 1]);
-    const uint32_t p = __byte_perm(x[0], x[1], 0x5140), q = __byte_perm(x[2], x[3], 0x5140);
+        w[j] = fm_e2m1_nib4<0x6420u>(s[2 * j], s[2 * j + 1], x[2 * j], x[2 * j + 1]);
+    const uint32_t p = __byte_perm(w[0], w[1], 0x5140), q = __byte_perm(w[2], w[3], 0x5140);
     *col_lo = __byte_perm(p, q, 0x5410);
     *col_hi = __byte_perm(p, q, 0x7632);
 }

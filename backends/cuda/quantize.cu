@@ -460,8 +460,8 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                     uint32_t c[4];
 #pragma unroll
                     for (int q = 0; q < 4; q++)
-                        c[q] = NC ? fm_bf16x2_e2m1_sum(v[k][q], mul, me) : fm_bf16x2_e2m1(v[k][q], mul, me);
-                    code.x = NC ? fm_e2m1_sums_row(c) : fm_e2m1_pairs_row(c);
+                        c[q] = NC ? fm_bf16x2_e2m1_mag(v[k][q], mul, me) : fm_bf16x2_e2m1(v[k][q], mul, me);
+                    code.x = NC ? fm_e2m1_sums_row(c, v[k]) : fm_e2m1_pairs_row(c);
                     code.y = 0;
                 } else {
                     float y[8];
@@ -579,12 +579,14 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
 #pragma unroll
                 for (int q = 0; q < 4; q++) {
                     const uint32_t mul = fm_e2m1_mul2(cm[2 * q], cm[2 * q + 1]), me = fm_e2m1_mexp(mul);
-                    uint32_t c8[8], code[2];
+                    uint32_t c8[8], x8[8], code[2];
 #pragma unroll
-                    for (int k = 0; k < 8; k++)
-                        c8[k] = NC ? fm_bf16x2_e2m1_sum(v[k][q], mul, me) : fm_bf16x2_e2m1(v[k][q], mul, me);
+                    for (int k = 0; k < 8; k++) {
+                        x8[k] = v[k][q];
+                        c8[k] = NC ? fm_bf16x2_e2m1_mag(x8[k], mul, me) : fm_bf16x2_e2m1(x8[k], mul, me);
+                    }
                     if (NC)
-                        fm_e2m1_sums_cols(c8, &code[0], &code[1]);
+                        fm_e2m1_sums_cols(c8, x8, &code[0], &code[1]);
                     else
                         fm_e2m1_pairs_cols(c8, &code[0], &code[1]);
 #pragma unroll

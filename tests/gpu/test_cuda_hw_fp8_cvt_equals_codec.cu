@@ -120,7 +120,7 @@ __global__ void bf16_e2m1_kernel(unsigned long long *bad, unsigned int *first)
     }
 }
 
-/* The POW2 quantize's E2M1 packing (fm_bf16x2_e2m1_sum, then
+/* The POW2 quantize's E2M1 packing (fm_bf16x2_e2m1_mag, then
  * fm_e2m1_sums_row / _cols): every BF16 x with every k whose product a POW2
  * block holds (|x| 2^k <= 6, finite), in a place of a row of 8 (one
  * multiplier) and of a column pair (8 rows x 2 columns, each column its own
@@ -172,13 +172,15 @@ __global__ void e2m1_sums_kernel(unsigned long long *bad, unsigned int *first)
     /* a row */
     {
         const int place = (int)(xs32(&h) & 7u);
-        uint32_t e[8], s[4];
+        uint32_t e[8], s[4], w[4];
         for (int j = 0; j < 8; j++)
             e[j] = j == place ? x : pow2_pick(&h, k);
         const uint32_t mul = fm_e2m1_mul2(fm_exp2i(k), fm_exp2i(k)), me = fm_e2m1_mexp(mul);
-        for (int q = 0; q < 4; q++)
-            s[q] = fm_bf16x2_e2m1_sum(e[2 * q] | (e[2 * q + 1] << 16), mul, me);
-        const uint32_t got = fm_e2m1_sums_row(s);
+        for (int q = 0; q < 4; q++) {
+            w[q] = e[2 * q] | (e[2 * q + 1] << 16);
+            s[q] = fm_bf16x2_e2m1_mag(w[q], mul, me);
+        }
+        const uint32_t got = fm_e2m1_sums_row(s, w);
         for (int j = 0; j < 8; j++)
             differs |= ((got >> (4 * j)) & 0xFu) != e2m1_of(e[j], k);
     }
@@ -188,17 +190,19 @@ __global__ void e2m1_sums_kernel(unsigned long long *bad, unsigned int *first)
         const int row = (int)(r0 & 7u), c = (int)((r0 >> 3) & 1u), ko = (int)((r0 >> 8) % 254u) - 126;
         const bool nan_beside = ((r0 >> 4) & 7u) == 0;
         const int kc[2] = {c ? ko : k, c ? k : ko};
-        uint32_t e[8][2], s[8];
+        uint32_t e[8][2], s[8], w[8];
         for (int r = 0; r < 8; r++)
             for (int j = 0; j < 2; j++)
                 e[r][j] = r == row && j == c ? x : nan_beside && j != c ? xs32(&h) & 0xFFFFu : pow2_pick(&h, kc[j]);
         const float m0 = fm_exp2i(kc[0]), m1 = fm_exp2i(kc[1]), nan = __uint_as_float(FM_F32_CANON_NAN);
         const uint32_t mul = fm_e2m1_mul2(nan_beside && c == 1 ? nan : m0, nan_beside && c == 0 ? nan : m1);
         const uint32_t me = fm_e2m1_mexp(mul);
-        for (int r = 0; r < 8; r++)
-            s[r] = fm_bf16x2_e2m1_sum(e[r][0] | (e[r][1] << 16), mul, me);
+        for (int r = 0; r < 8; r++) {
+            w[r] = e[r][0] | (e[r][1] << 16);
+            s[r] = fm_bf16x2_e2m1_mag(w[r], mul, me);
+        }
         uint32_t col[2];
-        fm_e2m1_sums_cols(s, &col[0], &col[1]);
+        fm_e2m1_sums_cols(s, w, &col[0], &col[1]);
         for (int j = 0; j < 2; j++)
             if (!nan_beside || j == c)
                 for (int r = 0; r < 8; r++)
