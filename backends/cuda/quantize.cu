@@ -814,14 +814,12 @@ __global__ void quant_aux_kernel(const auxparams a)
  * stall the tile kernel on MIO throttle). So there the tile kernel writes
  * them tile-major (contiguous, QTM_TILE bytes a tile: 340 us, as with GEMM
  * scales, S14-6) and this kernel moves them into place: an item is the words
- * of 32 tiles along one band of 128 stored rows, through shared memory, read
- * and written in whole lines. Part 0: the row-wise output [R, ntc words],
- * the band a tile row; part 1: the column-wise output [C, ntr words], the
- * band a tile column. It takes 19.8 us under Nsight Compute for 33 MB (37%
- * of DRAM bandwidth; 24.5 us in 4-byte units, S14-6): the rest of the gap
- * to the GEMM layout. Tried and slower: the 4-byte loads unrolled (28.8 us,
- * S14-8); each chunk moved inside the tile kernel by the CTA that completes
- * its last tile (a fence and a count a tile: 84.4% -> 83.1% of copy, S14-7). */
+ * of 32 tiles along one band of 128 stored rows, read and written in whole
+ * lines. Part 0: the row-wise output [R, ntc words], the band a tile row;
+ * part 1: the column-wise output [C, ntr words], the band a tile column.
+ * Tried and slower: each chunk moved inside the tile kernel by the CTA that
+ * completes its last tile (a fence and a count a tile: 84.4% -> 83.1% of
+ * copy, S14-7). */
 typedef struct qscatter {
     const uint32_t *tm;
     uint32_t *dst[2];
@@ -831,87 +829,49 @@ typedef struct qscatter {
     int64_t perw[2];   /* words per expert */
 } qscatter;
 
-/* Once an item's tile-major words are read (the barrier after the loads),
- * its nb x 4 lines of 128 bytes are dropped from L2 unwritten: nothing
- * reads them again, and the FP8 kernels' lines never reached DRAM. */
-static __device__ __forceinline__ void scatter_discard(const uint32_t *src, uint32_t tid, int nb, uint32_t tstep)
+/* A CTA moves line j (of 4) of each of up to 32 tiles along a band: the
+ * tile-major words 32 j .. 32 j + 31 of the tiles' part, i.e. 32 stored rows
+ * of the band times 32 tiles. Lane bb takes tile b0 + bb, warp w its words
+ * 8 w .. 8 w + 7 (one 32-byte sector, two 16-byte loads), and stores them
+ * into 8 stored rows: each warp-wide store is one row's 32 consecutive words,
+ * a whole 128-byte line, and no shared memory is needed. The previous form
+ * (an item of 32 tiles x 128 rows a CTA of 256, transposed through shared
+ * memory) took 14.3 us in the call for [32768, 7168] (Nsight Compute, S29-5:
+ * stalled on the loads and on shared-memory stores, 0.22 issues a cycle);
+ * this one 10.7-11.6 us (S29-6, S29-7), and a CTA an item with all four
+ * lines' loads in flight, or two lines, measured the same (S29-7). Once every
+ * warp has stored its words (the barrier), warp 0 drops the tiles' lines from
+ * L2 unwritten: nothing reads them again, and the FP8 kernels' lines never
+ * reached DRAM. 32-bit indices, at most 32 registers (16 CTAs an SM). */
+__global__ void __launch_bounds__(128, 16) quant_scale_scatter_kernel(const qscatter s)
 {
-    if ((int)tid < 4 * nb) {
-        const uint32_t *line = src + (size_t)((tid >> 2) * tstep) * (QTM_TILE / 4) + 32 * (tid & 3);
-        asm volatile("discard.global.L2 [%0], 128;" ::"l"(line) : "memory");
-    }
-}
-
-/* 32-bit indices (tile counts are below 2^31) and at most 32 registers, so
- * that 8 CTAs an SM hold all of a [32768, 7168] matrix's 960 items at once:
- * with 64-bit indices it took 73 registers, 3 CTAs an SM, and ran at 31%
- * of DRAM bandwidth in 20 us (Nsight Compute S17-1). */
-__global__ void __launch_bounds__(256, 8) quant_scale_scatter_kernel(const qscatter s)
-{
-    __shared__ uint32_t sm[32][129];
     fm_pdl_wait(); /* the tile kernel's scales (a PDL launch) */
-    const uint32_t n0 = s.items[0], n = n0 + s.items[1], tid = threadIdx.x;
+    const uint32_t n0 = 4 * s.items[0], n = n0 + 4 * s.items[1], tid = threadIdx.x, w = tid >> 5, bb = tid & 31;
     for (uint32_t it = blockIdx.x; it < n; it += gridDim.x) {
         const int part = it >= n0;
-        const uint32_t k = part ? it - n0 : it;
+        const uint32_t kl = part ? it - n0 : it, j = kl & 3, k = kl >> 2;
         const uint32_t A = part ? s.ntc : s.ntr, B = part ? s.ntr : s.ntc, nbc = (B + 31) / 32;
         const uint32_t b0 = (k % nbc) * 32, ka = k / nbc, a = ka % A, e = ka / A;
-        const int nb = B - b0 < 32 ? (int)(B - b0) : 32;
-        /* tile-major words of tile b0 + bb along the band: tile0 + bb * tstep tiles on */
+        const bool on = bb < B - b0;
+        /* tile b0 + bb along the band: tile0 + bb * tstep tiles on */
         const uint32_t tile0 = part ? (e * s.ntr + b0) * s.ntc + a : (e * s.ntr + a) * s.ntc + b0;
         const uint32_t tstep = part ? s.ntc : 1u;
-        const uint32_t *src = s.tm + (size_t)tile0 * (QTM_TILE / 4) + part * 128;
-        /* fields by ternary, not [part]: an indexed kernel parameter goes through a local copy */
-        const int64_t lim = part ? s.lim[1] : s.lim[0];
-        uint32_t *dst = (part ? s.dst[1] : s.dst[0]) + (int64_t)e * (part ? s.perw[1] : s.perw[0]) + b0;
-        if (nb % 4 == 0 && B % 4 == 0 && (uintptr_t)dst % 16 == 0) {
-            /* 16-byte units both ways (S14-10: the kernel 24.5 -> 19.8 us) */
-            /* a thread's four loads in flight together (tiles bb of the item, 8 warps apart) */
-            const uint32_t q = tid & 31;
-            uint4 v[4];
+        const uint32_t *line = s.tm + (size_t)(tile0 + bb * tstep) * (QTM_TILE / 4) + part * 128 + 32 * j;
+        if (on) {
+            /* fields by ternary, not [part]: an indexed kernel parameter goes through a local copy */
+            const int64_t lim = part ? s.lim[1] : s.lim[0];
+            const int64_t row = (int64_t)a * 128 + 32 * j + 8 * w;
+            uint32_t *dst = (part ? s.dst[1] : s.dst[0]) + (int64_t)e * (part ? s.perw[1] : s.perw[0]) + row * B + b0 + bb;
+            const uint4 lo = *(const uint4 *)(line + 8 * w), hi = *(const uint4 *)(line + 8 * w + 4);
+            const uint32_t v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-            for (int u = 0; u < 4; u++) {
-                const int bb = (int)(tid >> 5) + 8 * u;
-                if (bb < nb)
-                    v[u] = *(const uint4 *)(src + (size_t)(bb * tstep) * (QTM_TILE / 4) + 4 * q);
-            }
-#pragma unroll
-            for (int u = 0; u < 4; u++) {
-                const int bb = (int)(tid >> 5) + 8 * u;
-                if (bb < nb) {
-                    sm[bb][4 * q] = v[u].x;
-                    sm[bb][4 * q + 1] = v[u].y;
-                    sm[bb][4 * q + 2] = v[u].z;
-                    sm[bb][4 * q + 3] = v[u].w;
-                }
-            }
-            __syncthreads();
-            scatter_discard(src, tid, nb, tstep);
-#pragma unroll
-            for (int u = 0; u < 4; u++) {
-                const uint32_t i = (tid >> 3) + 32 * u, c = tid & 7;
-                const int64_t row = (int64_t)a * 128 + i;
-                if (4 * (int)c < nb && row < lim)
-                    *(uint4 *)(dst + row * B + 4 * c) =
-                        make_uint4(sm[4 * c][i], sm[4 * c + 1][i], sm[4 * c + 2][i], sm[4 * c + 3][i]);
-            }
-            __syncthreads();
-            continue;
-        }
-        for (uint32_t idx = tid; idx < 32 * 128; idx += 256) {
-            const uint32_t bb = idx >> 7, i = idx & 127;
-            if ((int)bb < nb)
-                sm[bb][i] = src[(size_t)(bb * tstep) * (QTM_TILE / 4) + i];
+            for (int u = 0; u < 8; u++)
+                if (row + u < lim)
+                    dst[(int64_t)u * B] = v[u];
         }
         __syncthreads();
-        scatter_discard(src, tid, nb, tstep);
-        for (uint32_t idx = tid; idx < 128 * 32; idx += 256) {
-            const uint32_t i = idx >> 5, bb = idx & 31;
-            const int64_t row = (int64_t)a * 128 + i;
-            if ((int)bb < nb && row < lim)
-                dst[row * B + bb] = sm[bb][i];
-        }
-        __syncthreads();
+        if (w == 0 && on)
+            asm volatile("discard.global.L2 [%0], 128;" ::"l"(line) : "memory");
     }
 }
 
@@ -1200,9 +1160,8 @@ extern "C" fm_status fm_cuda_quantize(fm_context *ctx, const fm_quant_config *cf
                 q.items[k] = (uint32_t)(E * (k ? p.ntc : p.ntr) * fm_cdiv(k ? p.ntr : p.ntc, 32));
             }
             /* Programmatic dependent launch: see quant_tile_kernel's fm_pdl_release. */
-            err = fm_launch(quant_scale_scatter_kernel,
-                            grid_for(q.items[0] + q.items[1], (int64_t)cs->prop.multiProcessorCount * 8), 256, 0, s,
-                            1, q);
+            err = fm_launch(quant_scale_scatter_kernel, grid_for(4 * (int64_t)(q.items[0] + q.items[1]), 1 << 30),
+                            128, 0, s, 1, q);
         }
     }
 out:
