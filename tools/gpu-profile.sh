@@ -12,14 +12,17 @@
 #   OUT=/dir tools/gpu-profile.sh 'KERNEL_REGEX|fm-bench filter' ...
 #   e.g. tools/gpu-profile.sh 'quant_tile_kernel|BF16->E4M3 1x128 row+col'
 # FM_CARRIED=1 runs the fm-bench of build-carry/bins.tar.xz (tools/gpu-pack.sh
-# tools/fm-bench here, carry ["build-carry"]) instead of building one.
+# tools/fm-bench here, carry ["build-carry"]) instead of building one;
+# FM_BENCH=PATH runs that fm-bench binary.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-profile-out}
 mkdir -p "$OUT"
 export PATH=/usr/local/cuda/bin:$PATH
 B=build-gpu
-if [ -f build-carry/bins.tar.xz ] && [ -n "${FM_CARRIED:-}" ]; then
+if [ -n "${FM_BENCH:-}" ]; then
+    BENCH=$FM_BENCH # a given fm-bench binary, e.g. one variant of an A/B pair
+elif [ -f build-carry/bins.tar.xz ] && [ -n "${FM_CARRIED:-}" ]; then
     # fm-bench built here by tools/gpu-pack.sh tools/fm-bench: no rebuild on the device
     mkdir -p /tmp/fm-carried && tar -xJf build-carry/bins.tar.xz -C /tmp/fm-carried || exit 1
     BENCH=/tmp/fm-carried/bin/fm-bench
