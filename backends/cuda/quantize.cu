@@ -59,8 +59,99 @@ typedef struct qout {
     int e8;
     int vec;               /* vector stores are aligned */
     uint8_t *tmaj;         /* or NULL: this output's scales go tile-major here first (its half of
-                            * QTM_TILE bytes a tile, see quant_scale_scatter_kernel) */
+                            * QTM_TILE bytes a tile, see qscatter) */
 } qout;
+
+/* ---- tile-major scales into the compact layout ---------------------------
+ * Stored straight from the tile kernel, a tile's compact scales of one output
+ * are 128 single-word (or single-byte) stores to 128 lines. Into both outputs
+ * of a wide matrix that held row+col quantize [32768, 7168] at 77% of copy
+ * against 86% with GEMM-layout scales, whose tile entries are contiguous
+ * (Nsight Compute, S13-1: 18.4M L2 write sectors against 15.1M; the stores
+ * stall the tile kernel on MIO throttle). So there the tile kernel writes
+ * them tile-major (contiguous, QTM_TILE bytes a tile: 340 us, as with GEMM
+ * scales, S14-6) and they are moved into place afterwards, in whole lines: an
+ * item is the words of 32 tiles along one band of 128 stored rows. Part 0:
+ * the row-wise output [R, ntc words], the band a tile row, items ordered by
+ * (global tile row, group of 32 tile columns); part 1: the column-wise output
+ * [C, ntr words], the band a tile column, items ordered by (group of 32 tile
+ * rows of an expert, tile column). A unit is line j (of 4) of an item: 4 x
+ * item + j. So the units of a range of groups of 32 tile rows are two
+ * contiguous ranges, one a part (see launch_chunks).
+ * Tried and slower: each item moved inside the tile kernel by the CTA that
+ * completes its last tile (a fence and a count a tile: 84.4% -> 83.1% of
+ * copy, S14-7; again in S25-3). */
+typedef struct qscatter {
+    const uint32_t *tm;
+    uint32_t *dst[2];
+    uint32_t ntr, ntc; /* tile rows and columns an expert (ntiles < 2^31) */
+    uint32_t u0[2], u1[2]; /* the units to move, [u0, u1) of each part */
+    int64_t lim[2];    /* stored rows of each output */
+    int64_t perw[2];   /* words per expert */
+} qscatter;
+
+static __device__ __forceinline__ uint32_t scatter_units(const qscatter &s)
+{
+    return (s.u1[0] - s.u0[0]) + (s.u1[1] - s.u0[1]);
+}
+
+/* Unit i of s's list (part 0's range, then part 1's), moved by 128 threads
+ * (tid 0..127): line j of each of up to 32 tiles along a band, i.e. the
+ * tile-major words 32 j .. 32 j + 31 of the tiles' part, 32 stored rows of
+ * the band times 32 tiles. Lane bb takes tile b0 + bb, warp w its words
+ * 8 w .. 8 w + 7 (one 32-byte sector, two 16-byte loads), and stores them
+ * into 8 stored rows: each warp-wide store is one row's 32 consecutive words,
+ * a whole 128-byte line, and no shared memory is needed. Returns the thread's
+ * tile-major line, for the caller to drop from L2 once all 128 threads have
+ * read it (scatter_discard), or NULL. The previous form (an item of 32 tiles
+ * x 128 rows a CTA of 256, transposed through shared memory) took 14.3 us for
+ * [32768, 7168] (Nsight Compute, S29-5: stalled on the loads and on
+ * shared-memory stores, 0.22 issues a cycle); this one 10.7-11.6 us (S29-6,
+ * S29-7), and a CTA an item with all four lines' loads in flight, or two
+ * lines, measured the same (S29-7). 32-bit indices (tile counts are below
+ * 2^31): the old form with 64-bit indices took 73 registers and ran at 31% of
+ * DRAM bandwidth (S17-1). */
+static __device__ __forceinline__ const uint32_t *scatter_unit(const qscatter &s, uint32_t i, uint32_t tid)
+{
+    const uint32_t w = tid >> 5, bb = tid & 31, n0 = s.u1[0] - s.u0[0];
+    const int part = i >= n0;
+    const uint32_t kl = part ? s.u0[1] + (i - n0) : s.u0[0] + i, j = kl & 3, k = kl >> 2;
+    uint32_t a, e, b0;
+    if (part) { /* k = (e * nq + q) * ntc + a, nq groups of 32 tile rows an expert */
+        const uint32_t g = k / s.ntc, nq = (s.ntr + 31) / 32;
+        a = k - g * s.ntc, e = g / nq, b0 = (g - e * nq) * 32;
+    } else { /* k = (e * ntr + a) * nbc + group, nbc groups of 32 tile columns */
+        const uint32_t nbc = (s.ntc + 31) / 32, ka = k / nbc;
+        b0 = (k - ka * nbc) * 32, e = ka / s.ntr, a = ka - e * s.ntr;
+    }
+    const uint32_t B = part ? s.ntr : s.ntc;
+    if (bb >= B - b0)
+        return NULL;
+    /* tile b0 + bb along the band: tile0 + bb * tstep tiles on */
+    const uint32_t tile0 = part ? (e * s.ntr + b0) * s.ntc + a : (e * s.ntr + a) * s.ntc + b0;
+    const uint32_t tstep = part ? s.ntc : 1u;
+    const uint32_t *line = s.tm + (size_t)(tile0 + bb * tstep) * (QTM_TILE / 4) + part * 128 + 32 * j;
+    /* fields by ternary, not [part]: an indexed kernel parameter goes through a local copy */
+    const int64_t lim = part ? s.lim[1] : s.lim[0];
+    const int64_t row = (int64_t)a * 128 + 32 * j + 8 * w;
+    uint32_t *dst = (part ? s.dst[1] : s.dst[0]) + (int64_t)e * (part ? s.perw[1] : s.perw[0]) + row * B + b0 + bb;
+    const uint4 lo = *(const uint4 *)(line + 8 * w), hi = *(const uint4 *)(line + 8 * w + 4);
+    const uint32_t v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+    for (int u = 0; u < 8; u++)
+        if (row + u < lim)
+            dst[(int64_t)u * B] = v[u];
+    return line;
+}
+
+/* Once every thread of the unit has read its words (a barrier after
+ * scatter_unit), one warp drops the tiles' lines from L2 unwritten: nothing
+ * reads them again, and the FP8 kernels' lines never reached DRAM. */
+static __device__ __forceinline__ void scatter_discard(const uint32_t *line)
+{
+    if (line)
+        asm volatile("discard.global.L2 [%0], 128;" ::"l"(line) : "memory");
+}
 
 typedef struct qparams {
     const void *in;
@@ -71,6 +162,8 @@ typedef struct qparams {
     uint32_t *amax;                   /* cfg->amax as bits, or NULL */
     unsigned long long *nonfinite;    /* cfg->nonfinite_blocks, or NULL */
     qout o[2];                        /* [0] row-wise, [1] column-wise */
+    int64_t tbeg, tend;               /* the tiles of this launch (a chunk, see launch_chunks) */
+    qscatter sc;                      /* tile-major launches: the previous chunk's units, moved at the end */
 } qparams;
 
 /* The thread's 8 x 8 sub-tile: rows w*16 + hr*8 + k, columns cv*8 + j of the
@@ -322,12 +415,12 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
     const bool need_tmax = p.amax || (RE && rmode == FM_SCALE_BLOCK_128x128) ||
                            (CE && cmode == FM_SCALE_BLOCK_128x128);
 
-    /* The scatter that follows a tile-major launch may start its CTAs (they
-     * wait at griddepcontrol.wait) once every tile CTA has started: its
-     * launch then overlaps this grid's last wave. */
+    /* What follows a tile-major launch (the next chunk's tile kernel, or the
+     * scatter after the last chunk) may start its CTAs once every CTA here has
+     * started: its launch then overlaps this grid's last wave. */
     if constexpr (TM)
         fm_pdl_release();
-    for (int64_t t = blockIdx.x; t < p.ntiles; t += gridDim.x) {
+    for (int64_t t = p.tbeg + blockIdx.x; t < p.tend; t += gridDim.x) {
         int64_t e, r0, c0;
         if (BM || IN != FM_DTYPE_BF16) {
             uint32_t eu, tru, tcu;
@@ -679,6 +772,21 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
         }
         __syncthreads(); /* red, cmul, wred and tsm are reused by the next tile */
     }
+    /* The previous chunk's scales into place, two units a CTA (one a half), by
+     * the first CTAs once their own tile is done: by then that chunk, whose
+     * last CTAs started before these, has finished or nearly (the wait). */
+    if constexpr (TM) {
+        const uint32_t n = scatter_units(p.sc);
+        if (2 * blockIdx.x < n)
+            fm_pdl_wait();
+        for (uint32_t base = 2 * blockIdx.x; base < n; base += 2 * gridDim.x) {
+            const uint32_t i = base + (tid >> 7);
+            const uint32_t *line = i < n ? scatter_unit(p.sc, i, tid & 127) : NULL;
+            __syncthreads();
+            if ((tid & 127) < 32)
+                scatter_discard(line);
+        }
+    }
 }
 
 /* ---- TENSOR / ROW: amax over many tiles ---------------------------------- */
@@ -804,94 +912,33 @@ __global__ void quant_aux_kernel(const auxparams a)
     }
 }
 
-/* ---- tile-major scales into the compact layout ---------------------------
- * Stored straight from the tile kernel, a tile's compact scales of one output
- * are 128 single-word (or single-byte) stores to 128 lines. Into both outputs
- * of a wide matrix that held row+col quantize [32768, 7168] at 77% of copy
- * against 86% with GEMM-layout scales, whose tile entries are contiguous
- * (Nsight Compute, S13-1: 18.4M L2 write sectors against 15.1M; the stores
- * stall the tile kernel on MIO throttle). So there the tile kernel writes
- * them tile-major (contiguous, QTM_TILE bytes a tile: 340 us, as with GEMM
- * scales, S14-6) and this kernel moves them into place: an item is the words
- * of 32 tiles along one band of 128 stored rows, read and written in whole
- * lines. Part 0: the row-wise output [R, ntc words], the band a tile row;
- * part 1: the column-wise output [C, ntr words], the band a tile column.
- * Tried and slower: each chunk moved inside the tile kernel by the CTA that
- * completes its last tile (a fence and a count a tile: 84.4% -> 83.1% of
- * copy, S14-7). */
-typedef struct qscatter {
-    const uint32_t *tm;
-    uint32_t *dst[2];
-    uint32_t ntr, ntc; /* tile rows and columns an expert (ntiles < 2^31) */
-    uint32_t items[2]; /* E x bands x ceil(tiles along a band / 32) */
-    int64_t lim[2];    /* stored rows of each output */
-    int64_t perw[2];   /* words per expert */
-} qscatter;
-
-/* A CTA moves line j (of 4) of each of up to 32 tiles along a band: the
- * tile-major words 32 j .. 32 j + 31 of the tiles' part, i.e. 32 stored rows
- * of the band times 32 tiles. Lane bb takes tile b0 + bb, warp w its words
- * 8 w .. 8 w + 7 (one 32-byte sector, two 16-byte loads), and stores them
- * into 8 stored rows: each warp-wide store is one row's 32 consecutive words,
- * a whole 128-byte line, and no shared memory is needed. The previous form
- * (an item of 32 tiles x 128 rows a CTA of 256, transposed through shared
- * memory) took 14.3 us in the call for [32768, 7168] (Nsight Compute, S29-5:
- * stalled on the loads and on shared-memory stores, 0.22 issues a cycle);
- * this one 10.7-11.6 us (S29-6, S29-7), and a CTA an item with all four
- * lines' loads in flight, or two lines, measured the same (S29-7). Once every
- * warp has stored its words (the barrier), warp 0 drops the tiles' lines from
- * L2 unwritten: nothing reads them again, and the FP8 kernels' lines never
- * reached DRAM. 32-bit indices (tile counts are below 2^31), at most 32
- * registers, 16 CTAs an SM: the old form with 64-bit indices took 73
- * registers and ran at 31% of DRAM bandwidth (S17-1). */
+/* The last chunk's units, after it (a PDL launch), a CTA of 128 a unit. */
 __global__ void __launch_bounds__(128, 16) quant_scale_scatter_kernel(const qscatter s)
 {
-    fm_pdl_wait(); /* the tile kernel's scales (a PDL launch) */
-    const uint32_t n0 = 4 * s.items[0], n = n0 + 4 * s.items[1], tid = threadIdx.x, w = tid >> 5, bb = tid & 31;
-    for (uint32_t it = blockIdx.x; it < n; it += gridDim.x) {
-        const int part = it >= n0;
-        const uint32_t kl = part ? it - n0 : it, j = kl & 3, k = kl >> 2;
-        const uint32_t A = part ? s.ntc : s.ntr, B = part ? s.ntr : s.ntc, nbc = (B + 31) / 32;
-        const uint32_t b0 = (k % nbc) * 32, ka = k / nbc, a = ka % A, e = ka / A;
-        const bool on = bb < B - b0;
-        /* tile b0 + bb along the band: tile0 + bb * tstep tiles on */
-        const uint32_t tile0 = part ? (e * s.ntr + b0) * s.ntc + a : (e * s.ntr + a) * s.ntc + b0;
-        const uint32_t tstep = part ? s.ntc : 1u;
-        const uint32_t *line = s.tm + (size_t)(tile0 + bb * tstep) * (QTM_TILE / 4) + part * 128 + 32 * j;
-        if (on) {
-            /* fields by ternary, not [part]: an indexed kernel parameter goes through a local copy */
-            const int64_t lim = part ? s.lim[1] : s.lim[0];
-            const int64_t row = (int64_t)a * 128 + 32 * j + 8 * w;
-            uint32_t *dst = (part ? s.dst[1] : s.dst[0]) + (int64_t)e * (part ? s.perw[1] : s.perw[0]) + row * B + b0 + bb;
-            const uint4 lo = *(const uint4 *)(line + 8 * w), hi = *(const uint4 *)(line + 8 * w + 4);
-            const uint32_t v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-            for (int u = 0; u < 8; u++)
-                if (row + u < lim)
-                    dst[(int64_t)u * B] = v[u];
-        }
+    fm_pdl_wait(); /* the tile kernel's scales */
+    const uint32_t n = scatter_units(s);
+    for (uint32_t i = blockIdx.x; i < n; i += gridDim.x) {
+        const uint32_t *line = scatter_unit(s, i, threadIdx.x);
         __syncthreads();
-        if (w == 0 && on)
-            asm volatile("discard.global.L2 [%0], 128;" ::"l"(line) : "memory");
+        if (threadIdx.x < 32)
+            scatter_discard(line);
     }
 }
 
 /* ---- host side ------------------------------------------------------------ */
 
 template <int IN, int MODE>
-static void launch_tile(const qparams &p, int re, int ce, unsigned grid, cudaStream_t st)
+static cudaError_t launch_tile(const qparams &p, int re, int ce, unsigned grid, cudaStream_t st, int pdl = 0)
 {
 #define FM_Q_CASE(R_, C_)                                                                        \
     if constexpr (!((MODE & QTM_FLAG) && ((R_) == 0 || (C_) == 0))) /* QTM_FLAG: both outputs */ \
-        if (re == R_ && ce == C_) {                                                              \
-            quant_tile_kernel<IN, R_, C_, MODE><<<grid, QTHREADS, 0, st>>>(p);                   \
-            return;                                                                              \
-        }
+        if (re == R_ && ce == C_)                                                                \
+            return fm_launch(quant_tile_kernel<IN, R_, C_, MODE>, grid, QTHREADS, 0, st, pdl, p);
 #define FM_Q_ROW(R_)                                                               \
     FM_Q_CASE(R_, 0) FM_Q_CASE(R_, FM_DTYPE_E4M3) FM_Q_CASE(R_, FM_DTYPE_E5M2)
     if constexpr ((MODE & QNC_FLAG) != 0) { /* BF16 into E2M1 outputs only */
         FM_Q_CASE(0, FM_DTYPE_E2M1) FM_Q_CASE(FM_DTYPE_E2M1, 0) FM_Q_CASE(FM_DTYPE_E2M1, FM_DTYPE_E2M1)
-        return;
+        return cudaSuccess;
     }
     FM_Q_CASE(0, FM_DTYPE_E4M3) FM_Q_CASE(0, FM_DTYPE_E5M2)
     FM_Q_ROW(FM_DTYPE_E4M3) FM_Q_ROW(FM_DTYPE_E5M2)
@@ -902,6 +949,7 @@ static void launch_tile(const qparams &p, int re, int ce, unsigned grid, cudaStr
     }
 #undef FM_Q_ROW
 #undef FM_Q_CASE
+    return cudaSuccess;
 }
 
 /* The scaling mode every present output shares, when it is one the tile
@@ -955,7 +1003,7 @@ static int has_gemm_padding(const fm_tensor *t, const qout *o)
            fm_scale_padding_2d(t->scale_mode, t->scale_layout, o->R, o->C) > 0;
 }
 
-/* Whether output t's scales can go tile-major (quant_scale_scatter_kernel):
+/* Whether output t's scales can go tile-major (qscatter, launch_chunks):
  * compact 1x128 with F32 scales, or compact MX32 with E8M0 scales whose
  * stored rows hold whole 4-byte words of them (the block dimension a
  * multiple of 128). */
@@ -974,6 +1022,85 @@ static unsigned grid_for(int64_t items, int64_t cap)
 {
     int64_t g = items < cap ? items : cap;
     return (unsigned)(g > 0 ? g : 1);
+}
+
+/* Tile-major launches (BF16 into both outputs, compact scales), in chunks of
+ * whole groups of 32 tile rows, each its own launch of the tile kernel: the
+ * first CTAs of chunk c also move chunk c - 1's scales into place once their
+ * tile is done, and a scatter kernel after the last chunk moves the last
+ * chunk's. A lone scatter after the whole matrix took 11 us for [32768, 7168]
+ * (S29-6), all of it on top of the tile kernel's time, because the tile
+ * kernel holds every SM's registers to its end; under the next chunk's tiles
+ * its DRAM writes share the stream's bandwidth.
+ *
+ * QTM_CHUNKS: two halves measured best, in four calls (S30-2 to S30-5, H100,
+ * [32768, 7168] row+col against one launch and its scatter: 1x128 354.1 ->
+ * 350.8-351.4 us, MX32 E4M3 355.7 -> 352.6-353.0, E2M1 274.1 -> 272.8-273.6).
+ * Each further chunk boundary costs more than its smaller exposed scatter
+ * saves: four chunks 352.2-352.4 / 354.0-354.5 / 276.0 us, eight 352.5 /
+ * 354.8 / 282.0. Not kept either: the units moved by a chunk's last CTAs
+ * rather than its first (354 us: they then sit in the op's tail), spread
+ * over the chunk (351.6 / 353.5 / 273.5), a small last chunk (one group of
+ * eight: 352.8 / 354.7 / 273.5), and chunks of one wave of persistent CTAs
+ * (tiles assigned by grid stride: 360-371 us; the dynamic order matters).
+ *
+ * Chunk c > 0 is a PDL launch that reads nothing of chunk c - 1 before its
+ * wait, and writes before it only what chunk c - 1 neither reads nor writes
+ * (its own tiles' codes and tile-major scales), so it needs no wait for those
+ * (kernels.cuh's rule exists for a kernel's first write to data the one
+ * before touches). Its CTA 0 always waits (every chunk has units), so chunk c
+ * cannot finish before chunk c - 1: the scatter's wait on the last chunk then
+ * covers them all, and so does whatever the stream runs next. Chunk 0 is a
+ * plain launch, after all earlier work; each later chunk starts only once
+ * every CTA of the one before has started. wave: the tile CTAs the GPU
+ * holds at once; a chunk keeps to one wave at least. */
+#define QTM_CHUNKS 2
+/* kind: 0 1x128, 1 MX32, 2 MX32 into E2M1 outputs under POW2 (QNC_FLAG) */
+static cudaError_t launch_chunks(qparams &p, int re, int ce, int kind, int64_t wave, cudaStream_t st)
+{
+    const int64_t ntr = p.ntr, ntc = p.ntc, nq = fm_cdiv(ntr, 32), ng = p.E * nq, nbc = fm_cdiv(ntc, 32);
+    /* never more chunks than groups (an empty chunk would be a launch of no
+     * CTAs), nor chunks of less than a wave */
+    int64_t nch = p.ntiles / wave;
+    nch = nch > QTM_CHUNKS ? QTM_CHUNKS : nch;
+    nch = nch > ng ? ng : nch < 1 ? 1 : nch;
+    qscatter q;
+    memset(&q, 0, sizeof q);
+    q.tm = (const uint32_t *)p.o[0].tmaj;
+    q.ntr = (uint32_t)ntr;
+    q.ntc = (uint32_t)ntc;
+    for (int k = 0; k < 2; k++) {
+        q.dst[k] = (uint32_t *)p.o[k].scale;
+        q.lim[k] = p.o[k].R;
+        q.perw[k] = p.o[k].e8 ? p.o[k].per / 4 : p.o[k].per;
+    }
+    /* group g's first tile row, over all experts; the units (4 an item, see
+     * qscatter) fit 32 bits: 4 x ntiles x QTM_TILE bytes of workspace < 2^42 */
+#define FM_GROUP_ROW(g) ((g) / nq * ntr + ((g) % nq * 32 < ntr ? (g) % nq * 32 : ntr))
+    for (int64_t c = 0; c < nch; c++) {
+        const int64_t g0 = ng * c / nch, g1 = ng * (c + 1) / nch, r0 = FM_GROUP_ROW(g0), r1 = FM_GROUP_ROW(g1);
+        p.tbeg = r0 * ntc;
+        p.tend = r1 * ntc;
+        p.sc = q; /* chunk c - 1's units (none for chunk 0) */
+        const unsigned grid = (unsigned)(p.tend - p.tbeg);
+        const int pdl = c > 0;
+        cudaError_t err;
+        if (kind == 0)
+            err = launch_tile<FM_DTYPE_BF16, FM_SCALE_BLOCK_1x128 | QTM_FLAG>(p, re, ce, grid, st, pdl);
+        else if (kind == 2)
+            err = launch_tile<FM_DTYPE_BF16, FM_SCALE_MX32 | QTM_FLAG | QNC_FLAG>(p, re, ce, grid, st, pdl);
+        else
+            err = launch_tile<FM_DTYPE_BF16, FM_SCALE_MX32 | QTM_FLAG>(p, re, ce, grid, st, pdl);
+        if (err != cudaSuccess)
+            return err;
+        q.u0[0] = (uint32_t)(4 * r0 * nbc);
+        q.u1[0] = (uint32_t)(4 * r1 * nbc);
+        q.u0[1] = (uint32_t)(4 * g0 * ntc);
+        q.u1[1] = (uint32_t)(4 * g1 * ntc);
+    }
+#undef FM_GROUP_ROW
+    const int64_t units = (int64_t)(q.u1[0] - q.u0[0]) + (q.u1[1] - q.u0[1]);
+    return fm_launch(quant_scale_scatter_kernel, grid_for(units, 1 << 30), 128, 0, st, 1, q);
 }
 
 extern "C" fm_status fm_cuda_quantize(fm_context *ctx, const fm_quant_config *cfg, const fm_tensor *in,
@@ -1027,7 +1154,7 @@ extern "C" fm_status fm_cuda_quantize(fm_context *ctx, const fm_quant_config *cf
             nglob[k] = E * p.o[k].nblk;
             scratch += fm_round_up(nglob[k], 64) * 8;
         }
-    /* Tile-major scales, after it (quant_scale_scatter_kernel): BF16 into
+    /* Tile-major scales, after it (qscatter, launch_chunks): BF16 into
      * both outputs, 32 and more tiles wide, more tiles than one wave of the
      * tile kernel, and the workspace holds them (no allocation for this).
      * Measured (S14-1, S14-2): [32768, 7168] row+col 77% -> 84% of copy
@@ -1130,40 +1257,22 @@ extern "C" fm_status fm_cuda_quantize(fm_context *ctx, const fm_quant_config *cf
                        (re == FM_DTYPE_E2M1 || !re) && (ce == FM_DTYPE_E2M1 || !ce) &&
                        (!re || p.o[0].rule == FM_SCALE_RULE_POW2) && (!ce || p.o[1].rule == FM_SCALE_RULE_POW2);
         unsigned g = grid_for(p.ntiles, (int64_t)1 << 30);
-        if (in->dtype == FM_DTYPE_F32)
-            launch_tile<FM_DTYPE_F32, 0>(p, re, ce, g, s);
-        else if (tmaj && hint == FM_SCALE_BLOCK_1x128)
-            launch_tile<FM_DTYPE_BF16, FM_SCALE_BLOCK_1x128 | QTM_FLAG>(p, re, ce, g, s);
-        else if (tmaj && nc)
-            launch_tile<FM_DTYPE_BF16, FM_SCALE_MX32 | QTM_FLAG | QNC_FLAG>(p, re, ce, g, s);
-        else if (tmaj)
-            launch_tile<FM_DTYPE_BF16, FM_SCALE_MX32 | QTM_FLAG>(p, re, ce, g, s);
+        p.tend = p.ntiles;
+        if (tmaj)
+            err = launch_chunks(p, re, ce, hint == FM_SCALE_BLOCK_1x128 ? 0 : nc ? 2 : 1,
+                                (int64_t)cs->prop.multiProcessorCount * 4, s);
+        else if (in->dtype == FM_DTYPE_F32)
+            err = launch_tile<FM_DTYPE_F32, 0>(p, re, ce, g, s);
         else if (nc)
-            launch_tile<FM_DTYPE_BF16, FM_SCALE_MX32 | QNC_FLAG>(p, re, ce, g, s);
+            err = launch_tile<FM_DTYPE_BF16, FM_SCALE_MX32 | QNC_FLAG>(p, re, ce, g, s);
         else if (in->dtype == FM_DTYPE_BF16 && hint == FM_SCALE_BLOCK_1x128)
-            launch_tile<FM_DTYPE_BF16, FM_SCALE_BLOCK_1x128>(p, re, ce, g, s);
+            err = launch_tile<FM_DTYPE_BF16, FM_SCALE_BLOCK_1x128>(p, re, ce, g, s);
         else if (in->dtype == FM_DTYPE_BF16 && hint == FM_SCALE_MX32)
-            launch_tile<FM_DTYPE_BF16, FM_SCALE_MX32>(p, re, ce, g, s);
+            err = launch_tile<FM_DTYPE_BF16, FM_SCALE_MX32>(p, re, ce, g, s);
         else if (in->dtype == FM_DTYPE_BF16)
-            launch_tile<FM_DTYPE_BF16, 0>(p, re, ce, g, s);
+            err = launch_tile<FM_DTYPE_BF16, 0>(p, re, ce, g, s);
         else
-            launch_tile<FM_DTYPE_F16, 0>(p, re, ce, g, s);
-        err = cudaGetLastError();
-        if (err == cudaSuccess && tmaj) {
-            qscatter q;
-            q.tm = (const uint32_t *)p.o[0].tmaj;
-            q.ntr = (uint32_t)p.ntr;
-            q.ntc = (uint32_t)p.ntc;
-            for (int k = 0; k < 2; k++) {
-                q.dst[k] = (uint32_t *)p.o[k].scale;
-                q.lim[k] = p.o[k].R;
-                q.perw[k] = p.o[k].e8 ? p.o[k].per / 4 : p.o[k].per;
-                q.items[k] = (uint32_t)(E * (k ? p.ntc : p.ntr) * fm_cdiv(k ? p.ntr : p.ntc, 32));
-            }
-            /* Programmatic dependent launch: see quant_tile_kernel's fm_pdl_release. */
-            err = fm_launch(quant_scale_scatter_kernel, grid_for(4 * (int64_t)(q.items[0] + q.items[1]), 1 << 30),
-                            128, 0, s, 1, q);
-        }
+            err = launch_tile<FM_DTYPE_F16, 0>(p, re, ce, g, s);
     }
 out:
     if (owned) {

@@ -10,7 +10,12 @@
  * store compact 1x128 and MX32 scales tile-major, then scatter them
  * (quantize.cu): over several experts, partial tiles ([3, 700, 4100]: 1x128
  * only, MX32 needs whole tiles for it) and more than 32 tile rows
- * ([1, 4608, 4096]). */
+ * ([1, 4224, 4096]). With two waves of tiles and more, the tile kernel runs
+ * as two chunks of groups of 32 tile rows, the second moving the first's
+ * scales: on an H100 (or H200) [1, 4224, 4096] splits its 33 tile rows 32 +
+ * 1, so that the second chunk's 32 CTAs move the first's 256 units in four
+ * rounds, and [3, 4100, 4100] (33 tile rows an expert, partial tiles both
+ * ways) splits inside the second expert. */
 #include <math.h>
 #include <stdint.h>
 
@@ -91,8 +96,8 @@ int main(void)
     } shapes[] = {{1, 300, 520, FM_DTYPE_BF16, 0},   {3, 130, 256, FM_DTYPE_BF16, 0},
                   {1, 256, 7168, FM_DTYPE_BF16, 0},  {9, 1100, 1040, FM_DTYPE_BF16, 1},
                   {1, 8200, 2056, FM_DTYPE_F16, 1},  {1, 8200, 2056, FM_DTYPE_F32, 1},
-                  {1, 4608, 4096, FM_DTYPE_BF16, 1}, {3, 700, 4100, FM_DTYPE_BF16, 1},
-                  {2, 1280, 4224, FM_DTYPE_BF16, 1}};
+                  {1, 4224, 4096, FM_DTYPE_BF16, 1}, {3, 700, 4100, FM_DTYPE_BF16, 1},
+                  {3, 4100, 4100, FM_DTYPE_BF16, 1}};
     struct {
         fm_dtype el;
         fm_scale_mode m;
