@@ -1033,9 +1033,10 @@ static unsigned grid_for(int64_t items, int64_t cap)
  * kernel holds every SM's registers to its end; under the next chunk's tiles
  * its DRAM writes share the stream's bandwidth.
  *
- * QTM_CHUNKS: two halves measured best, in four calls (S30-2 to S30-5, H100,
- * [32768, 7168] row+col against one launch and its scatter: 1x128 354.1 ->
- * 350.8-351.4 us, MX32 E4M3 355.7 -> 352.6-353.0, E2M1 274.1 -> 272.8-273.6).
+ * QTM_CHUNKS: two halves measured best, in six calls (S30-2 to S30-7, H100,
+ * [32768, 7168] row+col against one launch and its scatter: 1x128
+ * 354.0-354.6 -> 350.8-351.4 us, MX32 E4M3 355.6-356.9 -> 352.6-354.5,
+ * E2M1 273.9-274.5 -> 272.8-273.6).
  * Each further chunk boundary costs more than its smaller exposed scatter
  * saves: four chunks 352.2-352.4 / 354.0-354.5 / 276.0 us, eight 352.5 /
  * 354.8 / 282.0. Not kept either: the units moved by a chunk's last CTAs
