@@ -348,6 +348,40 @@ static __device__ __forceinline__ void put_scale(const qout &o, int64_t t, int64
         ((float *)o.scale)[off] = s32;
 }
 
+/* The scale rule for an element type known at compile time: POW2, the
+ * default for block scales, by fm_pick_scale_pow2 (no branches, a handful of
+ * integer instructions), the others by fm_pick_scale. ONLY: the rule is
+ * known to be POW2. */
+template <int ELEM, bool ONLY = false>
+static __device__ __forceinline__ float pick_scale(uint32_t m, float eps, int rule, float *s32, uint8_t *s8)
+{
+    if (ONLY || rule == FM_SCALE_RULE_POW2)
+        return fm_pick_scale_pow2<ELEM>(m, eps, s32, s8);
+    return fm_pick_scale(m, eps, rule, ELEM, s32, s8);
+}
+
+/* A whole word (a tile row's four E8M0 row scales) or half word (two of a
+ * tile column's) into the tile-major scales, kept in L2 as put_scale's are. */
+template <bool KEEP>
+static __device__ __forceinline__ void put_tm_u32(uint8_t *b, uint32_t v)
+{
+    if (KEEP)
+        asm volatile("st.global.L2::cache_hint.b32 [%0], %1, %2;" ::"l"(b), "r"(v), "l"(fm_l2_keep_policy())
+                     : "memory");
+    else
+        *(uint32_t *)b = v;
+}
+template <bool KEEP>
+static __device__ __forceinline__ void put_tm_u16(uint8_t *b, uint32_t v)
+{
+    if (KEEP)
+        asm volatile("st.global.L2::cache_hint.b16 [%0], %1, %2;" ::"l"(b), "h"((unsigned short)v),
+                     "l"(fm_l2_keep_policy())
+                     : "memory");
+    else
+        *(uint16_t *)b = (uint16_t)v;
+}
+
 static __device__ __forceinline__ void count_bad(const qparams &p, uint32_t abits)
 {
     if (abits >= 0x7F800000u && p.nonfinite)
@@ -411,6 +445,19 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
     /* ... and take their block maxima twice over (row_absmax's D2): 299.9
      * -> 293.1 us in one call (S28-9), 285.3 -> 281.5 (S28-10) */
     constexpr bool D2 = NC;
+    /* The specialised kernels pick POW2 scales by fm_pick_scale_pow2:
+     * with the word stores below, [32768, 7168] row+col MX32 E4M3
+     * 352.7-354.1 -> 351.1-351.7 us, E2M1 272.6-273.0 -> 270.1-270.7 (S31-2,
+     * S31-6, H100). The runtime-mode and column-only kernels spill 8-16
+     * bytes with it (ptxas); the E2M1 kernels spilled 128-388 bytes when
+     * fm_pick_scale_pow2 stood alone (pick_scale's ONLY), without the
+     * generic path beside it. */
+    constexpr bool FASTPICK = BM != 0 && RE != 0;
+    /* MX32 tile-major scales leave as words: a tile row's four row scales
+     * gathered by two shuffles, a thread's two column scales as a half word,
+     * where single bytes took 512 + 512 stores a tile. Tile-major MX32 means
+     * whole tiles (tile_major_ok), so no entry is out of the matrix. */
+    constexpr bool TMWORDS = TM && BM == FM_SCALE_MX32;
     const int rmode = BM ? BM : orow.mode, cmode = BM ? BM : ocol.mode;
     const bool need_tmax = p.amax || (RE && rmode == FM_SCALE_BLOCK_128x128) ||
                            (CE && cmode == FM_SCALE_BLOCK_128x128);
@@ -486,7 +533,7 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                         mine = k == ks ? rm[k] : mine;
                     if (D2)
                         mine >>= 1;
-                    const float ma = fm_pick_scale(mine, p.eps, orow.rule, RE, &s32a, &s8a);
+                    const float ma = FASTPICK ? pick_scale<RE>(mine, p.eps, orow.rule, &s32a, &s8a) : fm_pick_scale(mine, p.eps, orow.rule, RE, &s32a, &s8a);
                     if (cv < 8 && rb + ks < p.rows && c0 < p.cols) {
                         put_scale<TM, KEEP>(orow, t, e, rb + ks, c0, r0, c0, s32a, s8a);
                         count_bad(p, mine);
@@ -506,10 +553,23 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                         m0 >>= 1;
                         m1 >>= 1;
                     }
-                    const float ma = fm_pick_scale(m0, p.eps, orow.rule, RE, &s32a, &s8a);
-                    const float mb = fm_pick_scale(m1, p.eps, orow.rule, RE, &s32b, &s8b);
+                    const float ma = FASTPICK ? pick_scale<RE>(m0, p.eps, orow.rule, &s32a, &s8a) : fm_pick_scale(m0, p.eps, orow.rule, RE, &s32a, &s8a);
+                    const float mb = FASTPICK ? pick_scale<RE>(m1, p.eps, orow.rule, &s32b, &s8b) : fm_pick_scale(m1, p.eps, orow.rule, RE, &s32b, &s8b);
                     const int64_t cs = c0 + (cv >> 2) * 32;
-                    if (cs < p.cols) {
+                    if (TMWORDS) {
+                        /* lane b = cv / 4 holds block b of rows i2, i2 + 1: lanes b, b ^ 1
+                         * join halves (even b: row i2, blocks b, b + 1; odd b: row i2 + 1,
+                         * blocks b - 1, b), then b, b ^ 2 words; lanes b < 2 store row
+                         * i2 + b's */
+                        const int b = cv >> 2;
+                        const uint32_t pr = (uint32_t)s8a | (uint32_t)s8b << 8;
+                        const uint32_t hw = __byte_perm(pr, __shfl_xor_sync(0xFFFFFFFFu, pr, 4), (b & 1) ? 0x15u : 0x40u);
+                        const uint32_t wd = __byte_perm(hw, __shfl_xor_sync(0xFFFFFFFFu, hw, 8), 0x5410u);
+                        if (b < 2)
+                            put_tm_u32<KEEP>(orow.tmaj + t * QTM_TILE + 4 * (w * 16 + hr * 8 + i2 + b), wd);
+                        count_bad(p, m0);
+                        count_bad(p, m1);
+                    } else if (cs < p.cols) {
                         if (rb + i2 < p.rows) {
                             put_scale<TM, KEEP>(orow, t, e, rb + i2, cs, r0, c0, s32a, s8a);
                             count_bad(p, m0);
@@ -625,27 +685,34 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                             m >>= 1;
                         float s32;
                         uint8_t s8;
-                        cmul[0][pc] = fm_pick_scale(m, p.eps, ocol.rule, CE, &s32, &s8);
+                        cmul[0][pc] = FASTPICK ? pick_scale<CE>(m, p.eps, ocol.rule, &s32, &s8) : fm_pick_scale(m, p.eps, ocol.rule, CE, &s32, &s8);
                         if (c0 + c < p.cols) {
                             put_scale<TM, KEEP>(ocol, t, e, c0 + c, r0, c0, r0, s32, s8);
                             count_bad(p, m);
                         }
                     }
                 } else {
+                    uint32_t cpair = 0; /* TMWORDS: blocks 2 s, 2 s + 1 of column c, s = tid / 128 */
 #pragma unroll
                     for (int h = 0; h < 2; h++) {
-                        const int idx = tid + h * QTHREADS, q = idx >> 7, c = idx & 127, pc = pcol(c);
+                        const int idx = tid + h * QTHREADS, q = TMWORDS ? 2 * (tid >> 7) + h : idx >> 7, c = idx & 127,
+                                  pc = pcol(c);
                         uint32_t m = fm_umax(red[2 * q][pc], red[2 * q + 1][pc]);
                         if (D2)
                             m >>= 1;
                         float s32;
                         uint8_t s8;
-                        cmul[q][pc] = fm_pick_scale(m, p.eps, ocol.rule, CE, &s32, &s8);
-                        if (c0 + c < p.cols && r0 + 32 * q < p.rows) {
+                        cmul[q][pc] = FASTPICK ? pick_scale<CE>(m, p.eps, ocol.rule, &s32, &s8) : fm_pick_scale(m, p.eps, ocol.rule, CE, &s32, &s8);
+                        if (TMWORDS) {
+                            cpair |= (uint32_t)s8 << (8 * h);
+                            count_bad(p, m);
+                        } else if (c0 + c < p.cols && r0 + 32 * q < p.rows) {
                             put_scale<TM, KEEP>(ocol, t, e, c0 + c, r0 + 32 * q, c0, r0, s32, s8);
                             count_bad(p, m);
                         }
                     }
+                    if (TMWORDS)
+                        put_tm_u16<KEEP>(ocol.tmaj + t * QTM_TILE + 4 * (tid & 127) + 2 * (tid >> 7), cpair);
                 }
                 __syncthreads();
                 const int q = mode == FM_SCALE_BLOCK_1x128 ? 0 : w >> 1;
