@@ -60,6 +60,8 @@ typedef struct qout {
     int vec;               /* vector stores are aligned */
     uint8_t *tmaj;         /* or NULL: this output's scales go tile-major here first (its half of
                             * QTM_TILE bytes a tile, see qscatter) */
+    int gwords;            /* GEMM-layout MX32 scales, 4-byte aligned: a whole tile's row of four
+                            * scales is one aligned word (fm_scale_offset) */
 } qout;
 
 /* ---- tile-major scales into the compact layout ---------------------------
@@ -458,6 +460,11 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
      * where single bytes took 512 + 512 stores a tile. Tile-major MX32 means
      * whole tiles (tile_major_ok), so no entry is out of the matrix. */
     constexpr bool TMWORDS = TM && BM == FM_SCALE_MX32;
+    /* ... and so do a whole tile's GEMM-layout MX32 scales (qout.gwords),
+     * straight into place: [32768, 7168] row+col E4M3 356.0-356.4 ->
+     * 351.5-351.9 us, E2M1 282.8-283.3 -> 269.0-269.3 (S31-7, H100). Not in
+     * the one-output kernels, which spill 12-24 bytes with it. */
+    constexpr bool GWORDS = !TM && BM == FM_SCALE_MX32 && RE && CE;
     const int rmode = BM ? BM : orow.mode, cmode = BM ? BM : ocol.mode;
     const bool need_tmax = p.amax || (RE && rmode == FM_SCALE_BLOCK_128x128) ||
                            (CE && cmode == FM_SCALE_BLOCK_128x128);
@@ -556,7 +563,7 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                     const float ma = FASTPICK ? pick_scale<RE>(m0, p.eps, orow.rule, &s32a, &s8a) : fm_pick_scale(m0, p.eps, orow.rule, RE, &s32a, &s8a);
                     const float mb = FASTPICK ? pick_scale<RE>(m1, p.eps, orow.rule, &s32b, &s8b) : fm_pick_scale(m1, p.eps, orow.rule, RE, &s32b, &s8b);
                     const int64_t cs = c0 + (cv >> 2) * 32;
-                    if (TMWORDS) {
+                    if (TMWORDS || (GWORDS && full && orow.gwords)) {
                         /* lane b = cv / 4 holds block b of rows i2, i2 + 1: lanes b, b ^ 1
                          * join halves (even b: row i2, blocks b, b + 1; odd b: row i2 + 1,
                          * blocks b - 1, b), then b, b ^ 2 words; lanes b < 2 store row
@@ -565,8 +572,12 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                         const uint32_t pr = (uint32_t)s8a | (uint32_t)s8b << 8;
                         const uint32_t hw = __byte_perm(pr, __shfl_xor_sync(0xFFFFFFFFu, pr, 4), (b & 1) ? 0x15u : 0x40u);
                         const uint32_t wd = __byte_perm(hw, __shfl_xor_sync(0xFFFFFFFFu, hw, 8), 0x5410u);
-                        if (b < 2)
-                            put_tm_u32<KEEP>(orow.tmaj + t * QTM_TILE + 4 * (w * 16 + hr * 8 + i2 + b), wd);
+                        const int rt = w * 16 + hr * 8 + i2 + b; /* the row in the tile */
+                        if (TMWORDS && b < 2)
+                            put_tm_u32<KEEP>(orow.tmaj + t * QTM_TILE + 4 * rt, wd);
+                        else if (b < 2) /* the tile's 512 GEMM-layout entries, row rt's at (rt % 32) 16 + (rt / 32) 4 */
+                            *(uint32_t *)((uint8_t *)orow.scale + e * orow.per +
+                                          ((r0 >> 7) * p.ntc + (c0 >> 7)) * 512 + (rt & 31) * 16 + (rt >> 5) * 4) = wd;
                         count_bad(p, m0);
                         count_bad(p, m1);
                     } else if (cs < p.cols) {
@@ -692,10 +703,11 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                         }
                     }
                 } else {
-                    uint32_t cpair = 0; /* TMWORDS: blocks 2 s, 2 s + 1 of column c, s = tid / 128 */
+                    const bool cw = TMWORDS || (GWORDS && full && ocol.gwords);
+                    uint32_t cpair = 0; /* cw: blocks 2 s, 2 s + 1 of column c, s = tid / 128 */
 #pragma unroll
                     for (int h = 0; h < 2; h++) {
-                        const int idx = tid + h * QTHREADS, q = TMWORDS ? 2 * (tid >> 7) + h : idx >> 7, c = idx & 127,
+                        const int idx = tid + h * QTHREADS, q = cw ? 2 * (tid >> 7) + h : idx >> 7, c = idx & 127,
                                   pc = pcol(c);
                         uint32_t m = fm_umax(red[2 * q][pc], red[2 * q + 1][pc]);
                         if (D2)
@@ -703,7 +715,7 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                         float s32;
                         uint8_t s8;
                         cmul[q][pc] = FASTPICK ? pick_scale<CE>(m, p.eps, ocol.rule, &s32, &s8) : fm_pick_scale(m, p.eps, ocol.rule, CE, &s32, &s8);
-                        if (TMWORDS) {
+                        if (cw) {
                             cpair |= (uint32_t)s8 << (8 * h);
                             count_bad(p, m);
                         } else if (c0 + c < p.cols && r0 + 32 * q < p.rows) {
@@ -713,6 +725,9 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                     }
                     if (TMWORDS)
                         put_tm_u16<KEEP>(ocol.tmaj + t * QTM_TILE + 4 * (tid & 127) + 2 * (tid >> 7), cpair);
+                    else if (cw) /* stored row c0 + c of the column-wise output, c = tid % 128 */
+                        *(uint16_t *)((uint8_t *)ocol.scale + e * ocol.per + ((c0 >> 7) * p.ntr + (r0 >> 7)) * 512 +
+                                      (tid & 31) * 16 + ((tid >> 5) & 3) * 4 + 2 * (tid >> 7)) = (uint16_t)cpair;
                 }
                 __syncthreads();
                 const int q = mode == FM_SCALE_BLOCK_1x128 ? 0 : w >> 1;
@@ -1046,6 +1061,8 @@ static void setup_out(qout *o, const fm_tensor *t, const fm_quant_config *cfg, i
     o->per = fm_scale_count_2d(t->scale_mode, t->scale_layout, o->R, o->C);
     o->code_bytes = t->dtype == FM_DTYPE_E2M1 ? o->R * o->C / 2 : o->R * o->C;
     o->e8 = t->scale_dtype == FM_DTYPE_E8M0;
+    o->gwords = t->scale_mode == FM_SCALE_MX32 && t->scale_layout == FM_SCALE_LAYOUT_GEMM && o->e8 &&
+                (uintptr_t)t->scale % 4 == 0;
     o->nblk = t->scale_mode == FM_SCALE_TENSOR ? 1 : o->R;
     uintptr_t a = (uintptr_t)t->data;
     if (!colwise)
