@@ -351,14 +351,14 @@ static __device__ __forceinline__ void put_scale(const qout &o, int64_t t, int64
 }
 
 /* The scale rule for an element type known at compile time: POW2, the
- * default for block scales, by fm_pick_scale_pow2 (no branches, a handful of
- * integer instructions), the others by fm_pick_scale. ONLY: the rule is
- * known to be POW2. */
+ * default for block scales, by fm_pick_scale_pow2_flat (no branches, a
+ * handful of integer instructions), the others by fm_pick_scale. ONLY: the
+ * rule is known to be POW2. */
 template <int ELEM, bool ONLY = false>
 static __device__ __forceinline__ float pick_scale(uint32_t m, float eps, int rule, float *s32, uint8_t *s8)
 {
     if (ONLY || rule == FM_SCALE_RULE_POW2)
-        return fm_pick_scale_pow2<ELEM>(m, eps, s32, s8);
+        return fm_pick_scale_pow2_flat<ELEM>(m, eps, s32, s8);
     return fm_pick_scale(m, eps, rule, ELEM, s32, s8);
 }
 
@@ -447,12 +447,12 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
     /* ... and take their block maxima twice over (row_absmax's D2): 299.9
      * -> 293.1 us in one call (S28-9), 285.3 -> 281.5 (S28-10) */
     constexpr bool D2 = NC;
-    /* The specialised kernels pick POW2 scales by fm_pick_scale_pow2:
+    /* The specialised kernels pick POW2 scales by fm_pick_scale_pow2_flat:
      * with the word stores below, [32768, 7168] row+col MX32 E4M3
      * 352.7-354.1 -> 351.1-351.7 us, E2M1 272.6-273.0 -> 270.1-270.7 (S31-2,
      * S31-6, H100). The runtime-mode and column-only kernels spill 8-16
      * bytes with it (ptxas); the E2M1 kernels spilled 128-388 bytes when
-     * fm_pick_scale_pow2 stood alone (pick_scale's ONLY), without the
+     * fm_pick_scale_pow2_flat stood alone (pick_scale's ONLY), without the
      * generic path beside it. */
     constexpr bool FASTPICK = BM != 0 && RE != 0;
     /* MX32 tile-major scales leave as words: a tile row's four row scales

@@ -12,9 +12,10 @@
  * the POW2 quantize's packing of those sums (fm_e2m1_sums_row / _cols)
  * gives the same for every BF16 value and multiplier, in a random place of
  * a row and of a column pair; and
- * fm_pick_scale_pow2 (the POW2 scale pick of the fused SwiGLU kernels) gives
- * fm_pick_scale's multiplier, F32 scale and E8M0 scale for every block
- * maximum (all 2^31 non-negative patterns and the NaNs, with eps 0 and 2^-40). */
+ * fm_pick_scale_pow2 (the POW2 scale pick of the fused SwiGLU kernels) and
+ * fm_pick_scale_pow2_flat (quantize's) give fm_pick_scale's multiplier, F32
+ * scale and E8M0 scale for every block maximum (all 2^31 non-negative
+ * patterns and the NaNs, with eps 0 and 2^-40). */
 #include <stdio.h>
 
 #include "../../backends/cuda/kernels.cuh"
@@ -22,16 +23,19 @@
 
 enum { E4M3, E5M2, E2M1, BF16, F16, E2M1X8, PICK_E4M3, PICK_E5M2, PICK_E2M1, NENC };
 
-/* 0 when fm_pick_scale_pow2 and fm_pick_scale agree on all three results. */
+/* 0 when fm_pick_scale_pow2 and fm_pick_scale_pow2_flat both agree with
+ * fm_pick_scale on all three results. */
 template <int ELEM>
 __device__ uint32_t pick_differs(uint32_t abits, float eps)
 {
-    float s32a, s32b;
-    uint8_t s8a, s8b;
+    float s32a, s32b, s32c;
+    uint8_t s8a, s8b, s8c;
     const float ma = fm_pick_scale_pow2<ELEM>(abits, eps, &s32a, &s8a);
+    const float mc = fm_pick_scale_pow2_flat<ELEM>(abits, eps, &s32c, &s8c);
     const float mb = fm_pick_scale(abits, eps, FM_SCALE_RULE_POW2, ELEM, &s32b, &s8b);
     return __float_as_uint(ma) != __float_as_uint(mb) || __float_as_uint(s32a) != __float_as_uint(s32b) ||
-           s8a != s8b;
+           s8a != s8b || __float_as_uint(mc) != __float_as_uint(mb) ||
+           __float_as_uint(s32c) != __float_as_uint(s32b) || s8c != s8b;
 }
 
 __global__ void enc_kernel(unsigned long long *bad, unsigned int *first)
