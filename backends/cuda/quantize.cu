@@ -350,14 +350,13 @@ static __device__ __forceinline__ void put_scale(const qout &o, int64_t t, int64
         ((float *)o.scale)[off] = s32;
 }
 
-/* The scale rule for an element type known at compile time: POW2, the
- * default for block scales, by fm_pick_scale_pow2_flat (no branches, a
- * handful of integer instructions), the others by fm_pick_scale. ONLY: the
- * rule is known to be POW2. */
-template <int ELEM, bool ONLY = false>
+/* The scale rule for an element type known at compile time. FAST: POW2,
+ * the default for block scales, by fm_pick_scale_pow2_flat (no branches, a
+ * handful of integer instructions), the others by fm_pick_scale. */
+template <int ELEM, bool FAST>
 static __device__ __forceinline__ float pick_scale(uint32_t m, float eps, int rule, float *s32, uint8_t *s8)
 {
-    if (ONLY || rule == FM_SCALE_RULE_POW2)
+    if (FAST && rule == FM_SCALE_RULE_POW2)
         return fm_pick_scale_pow2_flat<ELEM>(m, eps, s32, s8);
     return fm_pick_scale(m, eps, rule, ELEM, s32, s8);
 }
@@ -452,8 +451,8 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
      * 352.7-354.1 -> 351.1-351.7 us, E2M1 272.6-273.0 -> 270.1-270.7 (S31-2,
      * S31-6, H100). The runtime-mode and column-only kernels spill 8-16
      * bytes with it (ptxas); the E2M1 kernels spilled 128-388 bytes when
-     * fm_pick_scale_pow2_flat stood alone (pick_scale's ONLY), without the
-     * generic path beside it. */
+     * fm_pick_scale_pow2_flat stood alone (the rule taken as POW2), without
+     * the generic path beside it. */
     constexpr bool FASTPICK = BM != 0 && RE != 0;
     /* MX32 tile-major scales leave as words: a tile row's four row scales
      * gathered by two shuffles, a thread's two column scales as a half word,
@@ -540,7 +539,7 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                         mine = k == ks ? rm[k] : mine;
                     if (D2)
                         mine >>= 1;
-                    const float ma = FASTPICK ? pick_scale<RE>(mine, p.eps, orow.rule, &s32a, &s8a) : fm_pick_scale(mine, p.eps, orow.rule, RE, &s32a, &s8a);
+                    const float ma = pick_scale<RE, FASTPICK>(mine, p.eps, orow.rule, &s32a, &s8a);
                     if (cv < 8 && rb + ks < p.rows && c0 < p.cols) {
                         put_scale<TM, KEEP>(orow, t, e, rb + ks, c0, r0, c0, s32a, s8a);
                         count_bad(p, mine);
@@ -560,8 +559,8 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                         m0 >>= 1;
                         m1 >>= 1;
                     }
-                    const float ma = FASTPICK ? pick_scale<RE>(m0, p.eps, orow.rule, &s32a, &s8a) : fm_pick_scale(m0, p.eps, orow.rule, RE, &s32a, &s8a);
-                    const float mb = FASTPICK ? pick_scale<RE>(m1, p.eps, orow.rule, &s32b, &s8b) : fm_pick_scale(m1, p.eps, orow.rule, RE, &s32b, &s8b);
+                    const float ma = pick_scale<RE, FASTPICK>(m0, p.eps, orow.rule, &s32a, &s8a);
+                    const float mb = pick_scale<RE, FASTPICK>(m1, p.eps, orow.rule, &s32b, &s8b);
                     const int64_t cs = c0 + (cv >> 2) * 32;
                     if (TMWORDS || (GWORDS && full && orow.gwords)) {
                         /* lane b = cv / 4 holds block b of rows i2, i2 + 1: lanes b, b ^ 1
@@ -570,7 +569,8 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                          * i2 + b's */
                         const int b = cv >> 2;
                         const uint32_t pr = (uint32_t)s8a | (uint32_t)s8b << 8;
-                        const uint32_t hw = __byte_perm(pr, __shfl_xor_sync(0xFFFFFFFFu, pr, 4), (b & 1) ? 0x15u : 0x40u);
+                        const uint32_t hw =
+                            __byte_perm(pr, __shfl_xor_sync(0xFFFFFFFFu, pr, 4), (b & 1) ? 0x15u : 0x40u);
                         const uint32_t wd = __byte_perm(hw, __shfl_xor_sync(0xFFFFFFFFu, hw, 8), 0x5410u);
                         const int rt = w * 16 + hr * 8 + i2 + b; /* the row in the tile */
                         if (TMWORDS && b < 2)
@@ -696,7 +696,7 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                             m >>= 1;
                         float s32;
                         uint8_t s8;
-                        cmul[0][pc] = FASTPICK ? pick_scale<CE>(m, p.eps, ocol.rule, &s32, &s8) : fm_pick_scale(m, p.eps, ocol.rule, CE, &s32, &s8);
+                        cmul[0][pc] = pick_scale<CE, FASTPICK>(m, p.eps, ocol.rule, &s32, &s8);
                         if (c0 + c < p.cols) {
                             put_scale<TM, KEEP>(ocol, t, e, c0 + c, r0, c0, r0, s32, s8);
                             count_bad(p, m);
@@ -714,7 +714,7 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                             m >>= 1;
                         float s32;
                         uint8_t s8;
-                        cmul[q][pc] = FASTPICK ? pick_scale<CE>(m, p.eps, ocol.rule, &s32, &s8) : fm_pick_scale(m, p.eps, ocol.rule, CE, &s32, &s8);
+                        cmul[q][pc] = pick_scale<CE, FASTPICK>(m, p.eps, ocol.rule, &s32, &s8);
                         if (cw) {
                             cpair |= (uint32_t)s8 << (8 * h);
                             count_bad(p, m);
