@@ -165,6 +165,7 @@ typedef struct qparams {
     unsigned long long *nonfinite;    /* cfg->nonfinite_blocks, or NULL */
     qout o[2];                        /* [0] row-wise, [1] column-wise */
     int64_t tbeg, tend;               /* the tiles of this launch (a chunk, see launch_chunks) */
+    int64_t pfrows;                   /* the tile this many rows below is prefetched into L2, or 0 */
     qscatter sc;                      /* tile-major launches: the previous chunk's units, moved at the end */
 } qparams;
 
@@ -404,6 +405,23 @@ static __device__ __forceinline__ int tsm_e2m1_off(int c, int u)
     return c * 128 + 4 * (((u ^ (c >> 3)) & 15) | (((u ^ c) & 1) << 4));
 }
 
+/* The BF16 tile p.pfrows rows below (r0, c0) of expert e into L2, if it is
+ * in the matrix: thread tid its row tid / 2, half tid % 2 (see PF in
+ * quant_tile_kernel). */
+template <bool TM>
+static __device__ __forceinline__ void prefetch_tile(const qparams &p, int64_t e, int64_t r0, int64_t c0)
+{
+    const int tid = threadIdx.x;
+    const int64_t pr = r0 + p.pfrows + (tid >> 1);
+    if (!p.pfrows || pr >= p.rows)
+        return;
+    const uint16_t *a = (const uint16_t *)p.in + (e * p.rows + pr) * p.cols + c0 + (tid & 1) * 64;
+    if (!TM)
+        asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(a));
+    else if ((tid & 1) == 0)
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], 256;" ::"l"(a) : "memory");
+}
+
 /* MODE & ~QMODE_FLAGS: 0 reads each output's scaling mode at run time; FM_SCALE_BLOCK_1x128 or
  * FM_SCALE_MX32 promises that every output present has that mode, so the
  * compiler drops the other modes' code and the predicates it keeps live (the
@@ -464,6 +482,21 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
      * 351.5-351.9 us, E2M1 282.8-283.3 -> 269.0-269.3 (S31-7, H100). Not in
      * the one-output kernels, which spill 12-24 bytes with it. */
     constexpr bool GWORDS = !TM && BM == FM_SCALE_MX32 && RE && CE;
+    /* Each CTA brings a tile some 0.4 waves ahead into L2 (p.pfrows): a
+     * tile's loads then wait on L2, not DRAM, and DRAM has reads queued
+     * while the CTAs of a wave work on their tiles. [32768, 7168] (S32-3,
+     * H100): compact row+col 1x128 351 -> 344 us, MX32 E4M3 352 -> 345,
+     * E2M1 271 -> 259; GEMM-layout row+col 351 -> 334, E2M1 269 -> 246;
+     * MX32 rows E4M3 262 -> 243, E2M1 216 -> 198. Tile-major launches by a
+     * bulk prefetch: evict_last there gained nothing (their tile-major
+     * scales are kept in L2 with evict_last too); the others with
+     * evict_last, 4-10 us ahead of a plain prefetch or a bulk one. The
+     * 3-CTA kernels (one 1x128 output) lost with it: 1x128 row 258 ->
+     * 267-311 us; the column-only MX32 FP8 kernels spill 8 bytes with it.
+     * Issued after the tile's own loads (row+col: compact 1x128 344 us
+     * against 351 before them, S32-3, S32-4), or before them in the
+     * row-only kernels, which spill 8 bytes after. */
+    constexpr bool PF = BM && IN == FM_DTYPE_BF16 && RE && FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE) == 4;
     const int rmode = BM ? BM : orow.mode, cmode = BM ? BM : ocol.mode;
     const bool need_tmax = p.amax || (RE && rmode == FM_SCALE_BLOCK_128x128) ||
                            (CE && cmode == FM_SCALE_BLOCK_128x128);
@@ -486,8 +519,12 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
         const bool full = r0 + QT <= p.rows && c0 + QT <= p.cols;
         const int64_t rb = r0 + w * 16 + hr * 8, cb = c0 + cv * 8;
 
+        if (PF && !CE && full)
+            prefetch_tile<TM>(p, e, r0, c0);
         uint32_t v[8][8];
         load_tile<IN>(p, e, r0, c0, full && p.vec_in, v);
+        if (PF && CE && full)
+            prefetch_tile<TM>(p, e, r0, c0);
 
         uint32_t tmax = 0;
         if (need_tmax) {
@@ -575,9 +612,9 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                         const int rt = w * 16 + hr * 8 + i2 + b; /* the row in the tile */
                         if (TMWORDS && b < 2)
                             put_tm_u32<KEEP>(orow.tmaj + t * QTM_TILE + 4 * rt, wd);
-                        else if (b < 2) /* the tile's 512 GEMM-layout entries, row rt's at (rt % 32) 16 + (rt / 32) 4 */
+                        else if (b < 2) /* row rt's four blocks are one word of the tile's 512 entries */
                             *(uint32_t *)((uint8_t *)orow.scale + e * orow.per +
-                                          ((r0 >> 7) * p.ntc + (c0 >> 7)) * 512 + (rt & 31) * 16 + (rt >> 5) * 4) = wd;
+                                          ((r0 >> 7) * p.ntc + (c0 >> 7)) * 512 + fm_mx32_gemm_entry(rt, 0)) = wd;
                         count_bad(p, m0);
                         count_bad(p, m1);
                     } else if (cs < p.cols) {
@@ -727,7 +764,7 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                         put_tm_u16<KEEP>(ocol.tmaj + t * QTM_TILE + 4 * (tid & 127) + 2 * (tid >> 7), cpair);
                     else if (cw) /* stored row c0 + c of the column-wise output, c = tid % 128 */
                         *(uint16_t *)((uint8_t *)ocol.scale + e * ocol.per + ((c0 >> 7) * p.ntr + (r0 >> 7)) * 512 +
-                                      (tid & 31) * 16 + ((tid >> 5) & 3) * 4 + 2 * (tid >> 7)) = (uint16_t)cpair;
+                                      fm_mx32_gemm_entry(tid & 127, 2 * (tid >> 7))) = (uint16_t)cpair;
                 }
                 __syncthreads();
                 const int q = mode == FM_SCALE_BLOCK_1x128 ? 0 : w >> 1;
@@ -1343,6 +1380,13 @@ extern "C" fm_status fm_cuda_quantize(fm_context *ctx, const fm_quant_config *cf
                        (!re || p.o[0].rule == FM_SCALE_RULE_POW2) && (!ce || p.o[1].rule == FM_SCALE_RULE_POW2);
         unsigned g = grid_for(p.ntiles, (int64_t)1 << 30);
         p.tend = p.ntiles;
+        /* the prefetch's distance: 0.4 of a wave of 4 CTAs an SM, in whole
+         * tile rows (2, 3, 4, 6, 8 rows of [32768, 7168]: 4 and 6 best,
+         * S32-2, S32-3); none for narrow matrices ([8 x 4096, 2048]
+         * row+col lost 3-13%), nor where a row's tiles are not 16-byte
+         * aligned (the bulk prefetch's rule) */
+        if (p.ntc >= 32 && p.vec_in)
+            p.pfrows = fm_cdiv((int64_t)cs->prop.multiProcessorCount * 4 * 2, 5 * p.ntc) * QT;
         if (tmaj)
             err = launch_chunks(p, re, ce, hint == FM_SCALE_BLOCK_1x128 ? 0 : nc ? 2 : 1,
                                 (int64_t)cs->prop.multiProcessorCount * 4, s);

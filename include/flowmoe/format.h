@@ -405,6 +405,14 @@ FM_HD int64_t fm_scale_padding_2d(fm_scale_mode m, fm_scale_layout l, int64_t R,
     return fm_scale_count_2d(m, l, R, C) - fm_scale_count_2d(m, FM_SCALE_LAYOUT_COMPACT, R, C);
 }
 
+/* Entry of row rt (0 <= rt < 128) and block b (0..3) inside one 512-byte
+ * tile of the MX32 GEMM layout: cuBLAS's swizzle keeps rows rt, rt + 32,
+ * rt + 64, rt + 96 in one 16-byte line, so a row's four blocks are one word. */
+FM_HD int fm_mx32_gemm_entry(int rt, int b)
+{
+    return (rt & 31) * 16 + (rt >> 5) * 4 + b;
+}
+
 /* Offset of the scale of stored element (r, c) in one matrix's scale array.
  * GEMM layouts: BLOCK_1x128 is [ceil(C/128)][round_up(R, 4)] (R contiguous,
  * cuBLASLt VEC128); BLOCK_128x128 is [ceil(R/128)][round_up(ceil(C/128), 4)]
@@ -425,7 +433,7 @@ FM_HD int64_t fm_scale_offset(fm_scale_mode m, fm_scale_layout l, int64_t R, int
         if (l == FM_SCALE_LAYOUT_GEMM) {
             int64_t cb = c / 32, ncb4 = fm_round_up(fm_cdiv(C, 32), 4) / 4;
             int64_t tile = (r / 128) * ncb4 + cb / 4;
-            return tile * 512 + (r % 32) * 16 + ((r % 128) / 32) * 4 + (cb % 4);
+            return tile * 512 + fm_mx32_gemm_entry((int)(r % 128), (int)(cb % 4));
         }
         return r * fm_cdiv(C, 32) + c / 32;
     case FM_SCALE_NV16: return r * fm_cdiv(C, 16) + c / 16;
