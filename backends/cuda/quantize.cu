@@ -484,10 +484,10 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
     constexpr bool GWORDS = !TM && BM == FM_SCALE_MX32 && RE && CE;
     /* Each CTA brings a tile some 0.4 waves ahead into L2 (p.pfrows): a
      * tile's loads then wait on L2, not DRAM, and DRAM has reads queued
-     * while the CTAs of a wave work on their tiles. [32768, 7168] (S32-3,
+     * while the CTAs of a wave work on their tiles. [32768, 7168] (S32-5,
      * H100): compact row+col 1x128 351 -> 344 us, MX32 E4M3 352 -> 345,
-     * E2M1 271 -> 259; GEMM-layout row+col 351 -> 334, E2M1 269 -> 246;
-     * MX32 rows E4M3 262 -> 243, E2M1 216 -> 198. Tile-major launches by a
+     * E2M1 270 -> 259.5; GEMM-layout row+col 351 -> 334, E2M1 269 -> 246;
+     * MX32 rows E4M3 262 -> 244, E2M1 216 -> 197. Tile-major launches by a
      * bulk prefetch: evict_last there gained nothing (their tile-major
      * scales are kept in L2 with evict_last too); the others with
      * evict_last, 4-10 us ahead of a plain prefetch or a bulk one. The
