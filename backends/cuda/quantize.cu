@@ -1053,7 +1053,7 @@ static cudaError_t launch_tile(const qparams &p, int re, int ce, unsigned grid, 
     }
     FM_Q_CASE(0, FM_DTYPE_E4M3) FM_Q_CASE(0, FM_DTYPE_E5M2)
     FM_Q_ROW(FM_DTYPE_E4M3) FM_Q_ROW(FM_DTYPE_E5M2)
-    if ((MODE & ~QTM_FLAG) != FM_SCALE_BLOCK_1x128) { /* E2M1 exists with MX32 only */
+    if constexpr ((MODE & ~QTM_FLAG) != FM_SCALE_BLOCK_1x128) { /* E2M1 exists with MX32 only: no 1x128 kernels */
         FM_Q_CASE(0, FM_DTYPE_E2M1) FM_Q_CASE(FM_DTYPE_E2M1, 0) FM_Q_CASE(FM_DTYPE_E2M1, FM_DTYPE_E2M1)
         FM_Q_CASE(FM_DTYPE_E4M3, FM_DTYPE_E2M1) FM_Q_CASE(FM_DTYPE_E5M2, FM_DTYPE_E2M1)
         FM_Q_CASE(FM_DTYPE_E2M1, FM_DTYPE_E4M3) FM_Q_CASE(FM_DTYPE_E2M1, FM_DTYPE_E5M2)
