@@ -7,9 +7,14 @@
  * the "copy" lines (the box stored where it was read) show what the tile walk
  * alone costs. Prints each line's time and its share of a device-to-device
  * cudaMemcpy of the same bytes measured in the same run (bytes read +
- * written, as fm-bench counts them). The last lines store 128- and 256-row
- * boxes from registers in 8-byte pieces instead, as rq_fp8t_tma_kernel does.
- * notes/transpose_scaled.md (twenty-fourth session) has what it measured.
+ * written, as fm-bench counts them). The last lines pass the codes through
+ * 8 consumer warps' registers, as rq_fp8t_tma_kernel does, and store them
+ * three ways: 8-byte st.global pieces of 128-byte runs (the kernel's way),
+ * a shared staging buffer sent whole by one TMA store after a CTA barrier,
+ * or each warp's 16 staged rows sent by the warp itself (one TMA store, or
+ * a bulk copy a row); with plain or swizzled (conflict-free) loads.
+ * notes/transpose_scaled.md (twenty-fourth and thirty-third sessions) has
+ * what it measured.
  * Not built by meson (a diagnostic for a GPU machine):
  *   nvcc -O2 -gencode=arch=compute_90a,code=sm_90a -o transpose-floor \
  *        tools/transpose-floor.cu && ./transpose-floor [R C] */
@@ -87,20 +92,13 @@ __global__ void __launch_bounds__(32) tma_pattern(const __grid_constant__ CUtens
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
-/* The store side of the library's TMA transpose: the same loads, but 8
- * consumer warps take each stage and store it with 8-byte st.global pieces
- * at the transposed place (lane l of warp w: output rows 16 w + 8 (l % 2) +
- * j, bytes 8 (l / 2) .. + 7 of the tile's run; a warp's store covers two
- * 128-byte output runs), as rq_fp8t_tma_kernel does. BH 256: a box of two
- * tiles' rows, the second half's runs stored right after the first's. */
-template <int BH>
-__global__ void __launch_bounds__(288) reg_store_pattern(const __grid_constant__ CUtensorMap in, uint8_t *out,
-                                                         long R, int ntr, int ntc, int cols_first)
+/* The register patterns' shared parts: barrier set-up, the producer (lane 0
+ * of warp 8 streams BH-row boxes through S stages), and a consumer lane's
+ * 8-byte piece j of half h of a stage: plain addresses (bank conflicts), or
+ * with swz a 128-byte swizzled box read in rq_fp8t_tma_kernel's
+ * conflict-free order (rows permuted: only the addresses matter here). */
+__device__ static void init_bars(uint64_t *full, uint64_t *empty, int S)
 {
-    extern __shared__ uint8_t dyn[];
-    __shared__ uint64_t full[MAXS], empty[MAXS];
-    uint8_t *base = dyn + ((1024u - (sm90_sa(dyn) & 1023u)) & 1023u);
-    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, n = ntr * ntc, S = BH == 128 ? MAXS : 2;
     if (threadIdx.x == 0) {
         for (int s = 0; s < S; s++) {
             sm90_bar_init(&full[s], 1);
@@ -109,20 +107,50 @@ __global__ void __launch_bounds__(288) reg_store_pattern(const __grid_constant__
         sm90_bar_init_fence();
     }
     __syncthreads();
-    if (w == 8) {
-        if (lane != 0)
-            return;
-        int i = 0;
-        for (int t = blockIdx.x; t < n; t += gridDim.x, i++) {
-            const int s = i % S;
-            if (i >= S)
-                sm90_bar_wait(&empty[s], ((i / S) & 1) ^ 1);
-            const int tr = cols_first ? t / ntc : t % ntr, tc = cols_first ? t % ntc : t / ntr;
-            sm90_bar_expect(&full[s], BH * 128);
-            sm90_tma_load_2d(base + s * BH * 128, &in, &full[s], tc * 128, tr * BH);
-        }
+}
+
+__device__ static void produce(const CUtensorMap *in, uint8_t *base, uint64_t *full, uint64_t *empty, int S, int BH,
+                               int ntr, int ntc, int cols_first)
+{
+    if ((threadIdx.x & 31) != 0)
         return;
+    const int n = ntr * ntc;
+    int i = 0;
+    for (int t = blockIdx.x; t < n; t += gridDim.x, i++) {
+        const int s = i % S;
+        if (i >= S)
+            sm90_bar_wait(&empty[s], ((i / S) & 1) ^ 1);
+        const int tr = cols_first ? t / ntc : t % ntr, tc = cols_first ? t % ntc : t / ntr;
+        sm90_bar_expect(&full[s], BH * 128);
+        sm90_tma_load_2d(base + s * BH * 128, in, &full[s], tc * 128, tr * BH);
     }
+}
+
+__device__ static __forceinline__ uint2 piece(const uint8_t *stage, int h, int j, int swz)
+{
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, rg = lane >> 1, cg = lane & 1, m = rg & 7;
+    const uint32_t lane_off = 1024u * rg + 8u * cg + 128u * m + 16u * (w ^ m);
+    return *(const uint2 *)(stage + (swz ? 16384 * h + (lane_off ^ (144u * j))
+                                         : (128 * h + 8 * rg + j) * 128 + 16 * w + 8 * cg));
+}
+
+/* The store side of the library's TMA transpose: the same loads, but 8
+ * consumer warps take each stage and store it with 8-byte st.global pieces
+ * at the transposed place (lane l of warp w: output rows 16 w + 8 (l % 2) +
+ * j, bytes 8 (l / 2) .. + 7 of the tile's run; a warp's store covers two
+ * 128-byte output runs), as rq_fp8t_tma_kernel does. BH 256: a box of two
+ * tiles' rows, the second half's runs stored right after the first's. */
+template <int BH>
+__global__ void __launch_bounds__(288) reg_store_pattern(const __grid_constant__ CUtensorMap in, uint8_t *out,
+                                                         long R, int ntr, int ntc, int cols_first, int swz)
+{
+    extern __shared__ uint8_t dyn[];
+    __shared__ uint64_t full[MAXS], empty[MAXS];
+    uint8_t *base = dyn + ((1024u - (sm90_sa(dyn) & 1023u)) & 1023u);
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, n = ntr * ntc, S = BH == 128 ? MAXS : 2;
+    init_bars(full, empty, S);
+    if (w == 8)
+        return produce(&in, base, full, empty, S, BH, ntr, ntc, cols_first);
     const int rg = lane >> 1, cg = lane & 1;
     int i = 0;
     for (int t = blockIdx.x; t < n; t += gridDim.x, i++) {
@@ -133,7 +161,7 @@ __global__ void __launch_bounds__(288) reg_store_pattern(const __grid_constant__
             uint2 v[8];
 #pragma unroll
             for (int j = 0; j < 8; j++)
-                v[j] = *(const uint2 *)(base + s * BH * 128 + (128 * h + 8 * rg + j) * 128 + 16 * w + 8 * cg);
+                v[j] = piece(base + s * BH * 128, h, j, swz);
             __syncwarp();
             if (lane == 0 && h == BH / 128 - 1)
                 sm90_bar_arrive(&empty[s]);
@@ -145,14 +173,134 @@ __global__ void __launch_bounds__(288) reg_store_pattern(const __grid_constant__
     }
 }
 
-static CUtensorMap map2d(void *p, long inner, long outer, int box_inner, int box_outer)
+/* As reg_store_pattern (BH-row boxes in 2 stages), but the consumers write
+ * their pieces into a staging buffer of 128 rows x BH bytes in shared
+ * memory at the transposed place, and one thread sends the whole buffer
+ * with one TMA store after a named barrier of the 8 consumer warps. NB
+ * staging buffers: with 2, that thread first waits until the store before
+ * has read the other buffer, so one barrier a box does; with 1, a second
+ * barrier keeps the next box's writes off the buffer until the store has
+ * read it. */
+template <int BH, int NB>
+__global__ void __launch_bounds__(288) staged_store_pattern(const __grid_constant__ CUtensorMap in,
+                                                            const __grid_constant__ CUtensorMap out, int ntr,
+                                                            int ntc, int cols_first, int swz)
+{
+    extern __shared__ uint8_t dyn[];
+    __shared__ uint64_t full[MAXS], empty[MAXS];
+    uint8_t *base = dyn + ((1024u - (sm90_sa(dyn) & 1023u)) & 1023u);
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, n = ntr * ntc, S = 2;
+    uint8_t *stage_out = base + S * BH * 128;
+    init_bars(full, empty, S);
+    if (w == 8)
+        return produce(&in, base, full, empty, S, BH, ntr, ntc, cols_first);
+    const int rg = lane >> 1, cg = lane & 1;
+    int i = 0;
+    for (int t = blockIdx.x; t < n; t += gridDim.x, i++) {
+        const int s = i % S;
+        uint8_t *so = stage_out + (i % NB) * BH * 128;
+        sm90_bar_wait(&full[s], (i / S) & 1);
+        const int tr = cols_first ? t / ntc : t % ntr, tc = cols_first ? t % ntc : t / ntr;
+        if (NB == 1 && i > 0) {
+            if (threadIdx.x == 0)
+                asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+            asm volatile("bar.sync 1, 256;" ::: "memory");
+        }
+        for (int h = 0; h < BH / 128; h++) {
+            uint2 v[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                v[j] = piece(base + s * BH * 128, h, j, swz);
+            __syncwarp();
+            if (lane == 0 && h == BH / 128 - 1)
+                sm90_bar_arrive(&empty[s]);
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                *(uint2 *)(so + (16 * w + 8 * cg + j) * BH + 128 * h + 8 * rg) = v[j];
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        if (NB > 1 && threadIdx.x == 0)
+            asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+        asm volatile("bar.sync 1, 256;" ::: "memory");
+        if (threadIdx.x == 0) {
+            tma_store_2d(&out, so, tr * BH, tc * 128);
+            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        }
+    }
+    if (threadIdx.x == 0)
+        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+/* The staged pattern without a CTA barrier: each consumer warp owns its 16
+ * output rows of the box (BH bytes each) and sends them itself once its
+ * lanes have written them: MODE 1 as one TMA store of a BH x 16 box, MODE 2
+ * as 16 one-dimensional bulk copies of BH bytes (one a lane; no tensor map,
+ * so any row pitch). Swizzled loads, tile columns fastest. */
+template <int BH, int NB, int MODE>
+__global__ void __launch_bounds__(288) warp_store_pattern(const __grid_constant__ CUtensorMap in,
+                                                          const __grid_constant__ CUtensorMap out, uint8_t *outp,
+                                                          long R, int ntr, int ntc)
+{
+    extern __shared__ uint8_t dyn[];
+    __shared__ uint64_t full[MAXS], empty[MAXS];
+    uint8_t *base = dyn + ((1024u - (sm90_sa(dyn) & 1023u)) & 1023u);
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, n = ntr * ntc, S = 2;
+    uint8_t *stage_out = base + S * BH * 128;
+    init_bars(full, empty, S);
+    if (w == 8)
+        return produce(&in, base, full, empty, S, BH, ntr, ntc, 1);
+    const int rg = lane >> 1, cg = lane & 1;
+    const bool issuer = MODE == 1 ? lane == 0 : lane < 16;
+    int i = 0;
+    for (int t = blockIdx.x; t < n; t += gridDim.x, i++) {
+        const int s = i % S;
+        uint8_t *so = stage_out + (i % NB) * BH * 128 + 16 * w * BH;
+        sm90_bar_wait(&full[s], (i / S) & 1);
+        const int tr = t / ntc, tc = t % ntc;
+        if (issuer && i >= NB) {
+            if (NB == 1)
+                asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+            else
+                asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+        }
+        __syncwarp();
+        for (int h = 0; h < BH / 128; h++) {
+            uint2 v[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                v[j] = piece(base + s * BH * 128, h, j, 1);
+            __syncwarp();
+            if (lane == 0 && h == BH / 128 - 1)
+                sm90_bar_arrive(&empty[s]);
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                *(uint2 *)(so + (8 * cg + j) * BH + 128 * h + 8 * rg) = v[j];
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncwarp();
+        if (issuer) {
+            if (MODE == 1)
+                tma_store_2d(&out, so, tr * BH, tc * 128 + 16 * w);
+            else
+                asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(
+                                 outp + (long)(tc * 128 + 16 * w + lane) * R + (long)tr * BH),
+                             "r"(sm90_sa(so + lane * BH)), "r"(BH)
+                             : "memory");
+            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        }
+    }
+    if (issuer)
+        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+static CUtensorMap map2d(void *p, long inner, long outer, int box_inner, int box_outer, int swz = 0)
 {
     CUtensorMap m;
     const cuuint64_t dims[2] = {(cuuint64_t)inner, (cuuint64_t)outer};
     const cuuint64_t strides[1] = {(cuuint64_t)inner};
     const cuuint32_t box[2] = {(cuuint32_t)box_inner, (cuuint32_t)box_outer}, es[2] = {1, 1};
     if (sm90_tensor_map_encoder()(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, p, dims, strides, box, es,
-                                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                                  CU_TENSOR_MAP_INTERLEAVE_NONE, swz ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
                                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS) {
         fprintf(stderr, "tensor map %ld x %ld, box %d x %d refused\n", inner, outer, box_inner, box_outer);
         exit(1);
@@ -231,13 +379,14 @@ int main(int argc, char **argv)
                 printf("| %s | %d x %d | %s | %d | %d | %.1f | %.1f%% |\n", transpose ? "transpose" : "copy", BH, BW,
                        cf ? "cols first" : "rows first", S, per, ms * 1e3, 100.0 * copy_ms / ms);
             }
+    for (int swz = 0; swz <= 1; swz++)
     for (int bh = 128; bh <= 256; bh += 128)
         for (int cf = 1; cf >= 0; cf--) {
             if (R % bh)
                 continue;
-            void (*k)(CUtensorMap, uint8_t *, long, int, int, int) =
+            void (*k)(CUtensorMap, uint8_t *, long, int, int, int, int) =
                 bh == 128 ? reg_store_pattern<128> : reg_store_pattern<256>;
-            const CUtensorMap mi = map2d(a, C, R, 128, bh);
+            const CUtensorMap mi = map2d(a, C, R, 128, bh, swz);
             const int S = bh == 128 ? MAXS : 2; /* as the kernel: 4 tiles a CTA in flight either way */
             const size_t smem = 1024 + (size_t)S * bh * 128;
             CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
@@ -245,9 +394,52 @@ int main(int argc, char **argv)
             CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, k, 288, smem));
             const int ntr = (int)(R / bh), ntc = (int)(C / 128);
             const int grid = per * sms < ntr * ntc ? per * sms : ntr * ntc;
-            const float ms = time_ms([&] { k<<<grid, 288, smem>>>(mi, b, R, ntr, ntc, cf); });
-            printf("| transpose, 8-byte register stores | %d x 128 | %s | %d | %d | %.1f | %.1f%% |\n", bh,
-                   cf ? "cols first" : "rows first", S, per, ms * 1e3, 100.0 * copy_ms / ms);
+            const float ms = time_ms([&] { k<<<grid, 288, smem>>>(mi, b, R, ntr, ntc, cf, swz); });
+            printf("| transpose, 8-byte register stores%s | %d x 128 | %s | %d | %d | %.1f | %.1f%% |\n",
+                   swz ? ", swizzled loads" : "", bh, cf ? "cols first" : "rows first", S, per, ms * 1e3,
+                   100.0 * copy_ms / ms);
+        }
+    for (int swz = 0; swz <= 1; swz++)
+    for (int bh = 128; bh <= 256; bh += 128)
+        for (int nb = 1; nb <= 2; nb++)
+            for (int cf = 1; cf >= 0; cf--) {
+                if (R % bh)
+                    continue;
+                void (*k)(CUtensorMap, CUtensorMap, int, int, int, int) =
+                    bh == 128 ? (nb == 1 ? staged_store_pattern<128, 1> : staged_store_pattern<128, 2>)
+                              : (nb == 1 ? staged_store_pattern<256, 1> : staged_store_pattern<256, 2>);
+                const CUtensorMap mi = map2d(a, C, R, 128, bh, swz), mo = map2d(b, R, C, bh, 128);
+                const size_t smem = 1024 + (size_t)(2 + nb) * bh * 128;
+                CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+                int per = 0;
+                CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, k, 288, smem));
+                const int ntr = (int)(R / bh), ntc = (int)(C / 128);
+                const int grid = per * sms < ntr * ntc ? per * sms : ntr * ntc;
+                const float ms = time_ms([&] { k<<<grid, 288, smem>>>(mi, mo, ntr, ntc, cf, swz); });
+                printf("| transpose, staged in shared, one TMA store a box (%d buffer%s)%s | %d x 128 | %s | 2 | %d | "
+                       "%.1f | %.1f%% |\n",
+                       nb, nb > 1 ? "s" : "", swz ? ", swizzled loads" : "", bh, cf ? "cols first" : "rows first", per, ms * 1e3, 100.0 * copy_ms / ms);
+            }
+    for (int mode = 1; mode <= 2; mode++)
+        for (int nb = 1; nb <= 2; nb++) {
+            const int bh = 256;
+            if (R % bh)
+                continue;
+            void (*k)(CUtensorMap, CUtensorMap, uint8_t *, long, int, int) =
+                mode == 1 ? (nb == 1 ? warp_store_pattern<256, 1, 1> : warp_store_pattern<256, 2, 1>)
+                          : (nb == 1 ? warp_store_pattern<256, 1, 2> : warp_store_pattern<256, 2, 2>);
+            const CUtensorMap mi = map2d(a, C, R, 128, bh, 1), mo = map2d(b, R, C, bh, 16);
+            const size_t smem = 1024 + (size_t)(2 + nb) * bh * 128;
+            CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+            int per = 0;
+            CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, k, 288, smem));
+            const int ntr = (int)(R / bh), ntc = (int)(C / 128);
+            const int grid = per * sms < ntr * ntc ? per * sms : ntr * ntc;
+            const float ms = time_ms([&] { k<<<grid, 288, smem>>>(mi, mo, b, R, ntr, ntc); });
+            printf("| transpose, staged a warp, %s (%d buffer%s), swizzled loads | %d x 128 | cols first | 2 | %d | "
+                   "%.1f | %.1f%% |\n",
+                   mode == 1 ? "a TMA store of 16 rows a warp" : "16 bulk copies of a row a warp", nb, nb > 1 ? "s" : "",
+                   bh, per, ms * 1e3, 100.0 * copy_ms / ms);
         }
     return 0;
 }
