@@ -94,9 +94,10 @@ __global__ void __launch_bounds__(32) tma_pattern(const __grid_constant__ CUtens
 
 /* The register patterns' shared parts: barrier set-up, the producer (lane 0
  * of warp 8 streams BH-row boxes through S stages), and a consumer lane's
- * 8-byte piece j of half h of a stage: plain addresses (bank conflicts), or
- * with swz a 128-byte swizzled box read in rq_fp8t_tma_kernel's
- * conflict-free order (rows permuted: only the addresses matter here). */
+ * 8 pieces of 8 bytes of half h of a stage: plain addresses (bank
+ * conflicts), or with swz a 128-byte swizzled box read in
+ * rq_fp8t_tma_kernel's conflict-free order (rows permuted: only the
+ * addresses matter here). */
 __device__ static void init_bars(uint64_t *full, uint64_t *empty, int S)
 {
     if (threadIdx.x == 0) {
@@ -126,12 +127,18 @@ __device__ static void produce(const CUtensorMap *in, uint8_t *base, uint64_t *f
     }
 }
 
-__device__ static __forceinline__ uint2 piece(const uint8_t *stage, int h, int j, int swz)
+__device__ static __forceinline__ void take(const uint8_t *stage, uint64_t *empty, int h, int last, int swz,
+                                            uint2 v[8])
 {
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, rg = lane >> 1, cg = lane & 1, m = rg & 7;
     const uint32_t lane_off = 1024u * rg + 8u * cg + 128u * m + 16u * (w ^ m);
-    return *(const uint2 *)(stage + (swz ? 16384 * h + (lane_off ^ (144u * j))
-                                         : (128 * h + 8 * rg + j) * 128 + 16 * w + 8 * cg));
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+        v[j] = *(const uint2 *)(stage + (swz ? 16384 * h + (lane_off ^ (144u * j))
+                                             : (128 * h + 8 * rg + j) * 128 + 16 * w + 8 * cg));
+    __syncwarp();
+    if (lane == 0 && last)
+        sm90_bar_arrive(empty); /* the stage is handed back after its last half */
 }
 
 /* The store side of the library's TMA transpose: the same loads, but 8
@@ -159,12 +166,7 @@ __global__ void __launch_bounds__(288) reg_store_pattern(const __grid_constant__
         const int tr = cols_first ? t / ntc : t % ntr, tc = cols_first ? t % ntc : t / ntr;
         for (int h = 0; h < BH / 128; h++) {
             uint2 v[8];
-#pragma unroll
-            for (int j = 0; j < 8; j++)
-                v[j] = piece(base + s * BH * 128, h, j, swz);
-            __syncwarp();
-            if (lane == 0 && h == BH / 128 - 1)
-                sm90_bar_arrive(&empty[s]);
+            take(base + s * BH * 128, &empty[s], h, h == BH / 128 - 1, swz, v);
             uint8_t *o = out + (long)(tc * 128 + 16 * w + 8 * cg) * R + tr * BH + 128 * h + 8 * rg;
 #pragma unroll
             for (int j = 0; j < 8; j++)
@@ -175,16 +177,20 @@ __global__ void __launch_bounds__(288) reg_store_pattern(const __grid_constant__
 
 /* As reg_store_pattern (BH-row boxes in 2 stages), but the consumers write
  * their pieces into a staging buffer of 128 rows x BH bytes in shared
- * memory at the transposed place, and one thread sends the whole buffer
- * with one TMA store after a named barrier of the 8 consumer warps. NB
- * staging buffers: with 2, that thread first waits until the store before
- * has read the other buffer, so one barrier a box does; with 1, a second
- * barrier keeps the next box's writes off the buffer until the store has
- * read it. */
-template <int BH, int NB>
-__global__ void __launch_bounds__(288) staged_store_pattern(const __grid_constant__ CUtensorMap in,
-                                                            const __grid_constant__ CUtensorMap out, int ntr,
-                                                            int ntc, int cols_first, int swz)
+ * memory at the transposed place, and send it three ways:
+ *  - MODE 0: one thread sends the whole buffer with one TMA store after a
+ *    named barrier of the 8 consumer warps. With NB = 2 buffers it first
+ *    waits until the store before has read the other one, so one barrier a
+ *    box does; with 1, a second barrier keeps the next box's writes off the
+ *    buffer until the store has read it.
+ *  - MODE 1, 2: no CTA barrier; each warp sends its own 16 rows once its
+ *    lanes have written them, as one TMA store of a BH x 16 box (1) or as
+ *    16 one-dimensional bulk copies of BH bytes, one a lane (2: no tensor
+ *    map, so any row pitch). */
+template <int BH, int NB, int MODE>
+__global__ void __launch_bounds__(288) staged_pattern(const __grid_constant__ CUtensorMap in,
+                                                      const __grid_constant__ CUtensorMap out, uint8_t *outp, long R,
+                                                      int ntr, int ntc, int cols_first, int swz)
 {
     extern __shared__ uint8_t dyn[];
     __shared__ uint64_t full[MAXS], empty[MAXS];
@@ -195,96 +201,48 @@ __global__ void __launch_bounds__(288) staged_store_pattern(const __grid_constan
     if (w == 8)
         return produce(&in, base, full, empty, S, BH, ntr, ntc, cols_first);
     const int rg = lane >> 1, cg = lane & 1;
+    /* the threads that send (and so wait for their own sends) */
+    const bool issuer = MODE == 0 ? threadIdx.x == 0 : MODE == 1 ? lane == 0 : lane < 16;
     int i = 0;
     for (int t = blockIdx.x; t < n; t += gridDim.x, i++) {
         const int s = i % S;
         uint8_t *so = stage_out + (i % NB) * BH * 128;
         sm90_bar_wait(&full[s], (i / S) & 1);
         const int tr = cols_first ? t / ntc : t % ntr, tc = cols_first ? t % ntc : t / ntr;
-        if (NB == 1 && i > 0) {
-            if (threadIdx.x == 0)
+        if (MODE == 0 && NB == 1 && i > 0) {
+            if (issuer)
                 asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
             asm volatile("bar.sync 1, 256;" ::: "memory");
+        } else if (MODE != 0 && i >= NB) {
+            if (issuer && NB == 1)
+                asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+            else if (issuer)
+                asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+            __syncwarp();
         }
         for (int h = 0; h < BH / 128; h++) {
             uint2 v[8];
-#pragma unroll
-            for (int j = 0; j < 8; j++)
-                v[j] = piece(base + s * BH * 128, h, j, swz);
-            __syncwarp();
-            if (lane == 0 && h == BH / 128 - 1)
-                sm90_bar_arrive(&empty[s]);
+            take(base + s * BH * 128, &empty[s], h, h == BH / 128 - 1, swz, v);
 #pragma unroll
             for (int j = 0; j < 8; j++)
                 *(uint2 *)(so + (16 * w + 8 * cg + j) * BH + 128 * h + 8 * rg) = v[j];
         }
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        if (NB > 1 && threadIdx.x == 0)
-            asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-        asm volatile("bar.sync 1, 256;" ::: "memory");
-        if (threadIdx.x == 0) {
-            tma_store_2d(&out, so, tr * BH, tc * 128);
-            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-        }
-    }
-    if (threadIdx.x == 0)
-        asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-}
-
-/* The staged pattern without a CTA barrier: each consumer warp owns its 16
- * output rows of the box (BH bytes each) and sends them itself once its
- * lanes have written them: MODE 1 as one TMA store of a BH x 16 box, MODE 2
- * as 16 one-dimensional bulk copies of BH bytes (one a lane; no tensor map,
- * so any row pitch). Swizzled loads, tile columns fastest. */
-template <int BH, int NB, int MODE>
-__global__ void __launch_bounds__(288) warp_store_pattern(const __grid_constant__ CUtensorMap in,
-                                                          const __grid_constant__ CUtensorMap out, uint8_t *outp,
-                                                          long R, int ntr, int ntc)
-{
-    extern __shared__ uint8_t dyn[];
-    __shared__ uint64_t full[MAXS], empty[MAXS];
-    uint8_t *base = dyn + ((1024u - (sm90_sa(dyn) & 1023u)) & 1023u);
-    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, n = ntr * ntc, S = 2;
-    uint8_t *stage_out = base + S * BH * 128;
-    init_bars(full, empty, S);
-    if (w == 8)
-        return produce(&in, base, full, empty, S, BH, ntr, ntc, 1);
-    const int rg = lane >> 1, cg = lane & 1;
-    const bool issuer = MODE == 1 ? lane == 0 : lane < 16;
-    int i = 0;
-    for (int t = blockIdx.x; t < n; t += gridDim.x, i++) {
-        const int s = i % S;
-        uint8_t *so = stage_out + (i % NB) * BH * 128 + 16 * w * BH;
-        sm90_bar_wait(&full[s], (i / S) & 1);
-        const int tr = t / ntc, tc = t % ntc;
-        if (issuer && i >= NB) {
-            if (NB == 1)
+        if (MODE == 0) {
+            if (NB > 1 && issuer)
                 asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-            else
-                asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
-        }
-        __syncwarp();
-        for (int h = 0; h < BH / 128; h++) {
-            uint2 v[8];
-#pragma unroll
-            for (int j = 0; j < 8; j++)
-                v[j] = piece(base + s * BH * 128, h, j, 1);
+            asm volatile("bar.sync 1, 256;" ::: "memory");
+        } else
             __syncwarp();
-            if (lane == 0 && h == BH / 128 - 1)
-                sm90_bar_arrive(&empty[s]);
-#pragma unroll
-            for (int j = 0; j < 8; j++)
-                *(uint2 *)(so + (8 * cg + j) * BH + 128 * h + 8 * rg) = v[j];
-        }
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        __syncwarp();
         if (issuer) {
-            if (MODE == 1)
-                tma_store_2d(&out, so, tr * BH, tc * 128 + 16 * w);
+            if (MODE == 0)
+                tma_store_2d(&out, so, tr * BH, tc * 128);
+            else if (MODE == 1)
+                tma_store_2d(&out, so + 16 * w * BH, tr * BH, tc * 128 + 16 * w);
             else
                 asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(
                                  outp + (long)(tc * 128 + 16 * w + lane) * R + (long)tr * BH),
-                             "r"(sm90_sa(so + lane * BH)), "r"(BH)
+                             "r"(sm90_sa(so + (16 * w + lane) * BH)), "r"(BH)
                              : "memory");
             asm volatile("cp.async.bulk.commit_group;" ::: "memory");
         }
@@ -399,47 +357,35 @@ int main(int argc, char **argv)
                    swz ? ", swizzled loads" : "", bh, cf ? "cols first" : "rows first", S, per, ms * 1e3,
                    100.0 * copy_ms / ms);
         }
-    for (int swz = 0; swz <= 1; swz++)
-    for (int bh = 128; bh <= 256; bh += 128)
-        for (int nb = 1; nb <= 2; nb++)
-            for (int cf = 1; cf >= 0; cf--) {
-                if (R % bh)
-                    continue;
-                void (*k)(CUtensorMap, CUtensorMap, int, int, int, int) =
-                    bh == 128 ? (nb == 1 ? staged_store_pattern<128, 1> : staged_store_pattern<128, 2>)
-                              : (nb == 1 ? staged_store_pattern<256, 1> : staged_store_pattern<256, 2>);
-                const CUtensorMap mi = map2d(a, C, R, 128, bh, swz), mo = map2d(b, R, C, bh, 128);
-                const size_t smem = 1024 + (size_t)(2 + nb) * bh * 128;
-                CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-                int per = 0;
-                CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, k, 288, smem));
-                const int ntr = (int)(R / bh), ntc = (int)(C / 128);
-                const int grid = per * sms < ntr * ntc ? per * sms : ntr * ntc;
-                const float ms = time_ms([&] { k<<<grid, 288, smem>>>(mi, mo, ntr, ntc, cf, swz); });
-                printf("| transpose, staged in shared, one TMA store a box (%d buffer%s)%s | %d x 128 | %s | 2 | %d | "
-                       "%.1f | %.1f%% |\n",
-                       nb, nb > 1 ? "s" : "", swz ? ", swizzled loads" : "", bh, cf ? "cols first" : "rows first", per, ms * 1e3, 100.0 * copy_ms / ms);
-            }
-    for (int mode = 1; mode <= 2; mode++)
-        for (int nb = 1; nb <= 2; nb++) {
-            const int bh = 256;
-            if (R % bh)
-                continue;
-            void (*k)(CUtensorMap, CUtensorMap, uint8_t *, long, int, int) =
-                mode == 1 ? (nb == 1 ? warp_store_pattern<256, 1, 1> : warp_store_pattern<256, 2, 1>)
-                          : (nb == 1 ? warp_store_pattern<256, 1, 2> : warp_store_pattern<256, 2, 2>);
-            const CUtensorMap mi = map2d(a, C, R, 128, bh, 1), mo = map2d(b, R, C, bh, 16);
-            const size_t smem = 1024 + (size_t)(2 + nb) * bh * 128;
-            CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-            int per = 0;
-            CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, k, 288, smem));
-            const int ntr = (int)(R / bh), ntc = (int)(C / 128);
-            const int grid = per * sms < ntr * ntc ? per * sms : ntr * ntc;
-            const float ms = time_ms([&] { k<<<grid, 288, smem>>>(mi, mo, b, R, ntr, ntc); });
-            printf("| transpose, staged a warp, %s (%d buffer%s), swizzled loads | %d x 128 | cols first | 2 | %d | "
-                   "%.1f | %.1f%% |\n",
-                   mode == 1 ? "a TMA store of 16 rows a warp" : "16 bulk copies of a row a warp", nb, nb > 1 ? "s" : "",
-                   bh, per, ms * 1e3, 100.0 * copy_ms / ms);
-        }
+    /* the staged patterns: MODE 0 with plain and swizzled loads, both walks;
+     * the per-warp modes with swizzled loads, tile columns fastest */
+    for (int mode = 0; mode <= 2; mode++)
+        for (int swz = mode ? 1 : 0; swz <= 1; swz++)
+            for (int bh = mode ? 256 : 128; bh <= 256; bh += 128)
+                for (int nb = 1; nb <= 2; nb++)
+                    for (int cf = 1; cf >= (mode ? 1 : 0); cf--) {
+                        if (R % bh)
+                            continue;
+                        void (*k)(CUtensorMap, CUtensorMap, uint8_t *, long, int, int, int, int) =
+                            bh == 128 ? (nb == 1 ? staged_pattern<128, 1, 0> : staged_pattern<128, 2, 0>)
+                            : mode == 0 ? (nb == 1 ? staged_pattern<256, 1, 0> : staged_pattern<256, 2, 0>)
+                            : mode == 1 ? (nb == 1 ? staged_pattern<256, 1, 1> : staged_pattern<256, 2, 1>)
+                                        : (nb == 1 ? staged_pattern<256, 1, 2> : staged_pattern<256, 2, 2>);
+                        const CUtensorMap mi = map2d(a, C, R, 128, bh, swz),
+                                          mo = map2d(b, R, C, bh, mode == 1 ? 16 : 128);
+                        const size_t smem = 1024 + (size_t)(2 + nb) * bh * 128;
+                        CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+                        int per = 0;
+                        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, k, 288, smem));
+                        const int ntr = (int)(R / bh), ntc = (int)(C / 128);
+                        const int grid = per * sms < ntr * ntc ? per * sms : ntr * ntc;
+                        const float ms = time_ms([&] { k<<<grid, 288, smem>>>(mi, mo, b, R, ntr, ntc, cf, swz); });
+                        static const char *how[] = {"one TMA store a box", "a TMA store of 16 rows a warp",
+                                                    "16 bulk copies of a row a warp"};
+                        printf("| transpose, staged in shared, %s (%d buffer%s)%s | %d x 128 | %s | 2 | %d | %.1f | "
+                               "%.1f%% |\n",
+                               how[mode], nb, nb > 1 ? "s" : "", swz ? ", swizzled loads" : "", bh,
+                               cf ? "cols first" : "rows first", per, ms * 1e3, 100.0 * copy_ms / ms);
+                    }
     return 0;
 }
