@@ -1455,10 +1455,12 @@ __global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqp
 
 /* ---- the plain FP8 -> FP8 1x128 transpose, fed by TMA ----------------------
  * rq_fp8t_kernel's arithmetic for the commonest call (E4M3 -> E4M3 or E5M2
- * -> E5M2, 1 x 128 F32 scales -> 128 x 1, TIGHT or ROWMAX, one matrix, a
- * stack of experts, or (G) fm_transpose_scaled_grouped's groups when each
- * is whole 128-row tiles), with the tile's instructions cut where that kernel
- * spends them (notes/transpose_scaled.md has the counts: on an H200 the old
+ * -> E5M2, 1 x 128 F32 scales -> 128 x 1, TIGHT or ROWMAX, or -> 128 x 128
+ * under ROWMAX, where the consumer warps agree on the tile's one non-finite
+ * verdict at a named barrier; one matrix, a stack of experts, or (G)
+ * fm_transpose_scaled_grouped's groups when each is whole 128-row tiles),
+ * with the tile's instructions cut where that kernel spends them
+ * (notes/transpose_scaled.md has the counts: on an H200 the old
  * kernel ran on instructions and latency, and this one is 1.14x faster; on an
  * H100 both run on DRAM, S23, and the grouped call gains from the barrier and
  * group search per tile that this kernel does not have):
@@ -1526,6 +1528,18 @@ FM_DI uint2 rqt_enc8(const uint32_t sv[4], int d)
         e[q] = rqf_enc2<T>(*(const uint32_t *)&y);
     }
     return make_uint2(e[0] | (e[1] << 16), e[2] | (e[3] << 16));
+}
+
+/* Whether v holds in any of the 8 consumer warps' threads (a named barrier
+ * of theirs; the producer warp is not in it). Only the predicate crosses
+ * it, so memory accesses may move across. */
+FM_DI bool rqt_consumers_any(bool v)
+{
+    uint32_t r;
+    asm volatile("{\n.reg .pred p, q;\nsetp.ne.u32 q, %1, 0;\nbar.red.or.pred p, 1, %2, q;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(r)
+                 : "r"((uint32_t)v), "n"(32 * RQT_CONSUMERS));
+    return r != 0u;
 }
 
 /* The lane's 8 row exponents into its warp's slot, for the exact paths. */
@@ -1689,8 +1703,14 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
         int po[8];
         bool fail = false;
         if (rowmax) {
-            const uint32_t nfb = rqf_nonfinite_cols<T>(col, pk, true);
+            uint32_t nfb = rqf_nonfinite_cols<T>(col, pk, true);
             const int pq = Q < -127 ? -127 : Q > 127 ? 127 : Q; /* a tile of no finite row is all NaN */
+            /* one 128 x 128 block a tile: non-finite as a whole when any
+             * stored column is. The columns past the matrix need no mask:
+             * their codes are TMA's zeros, and a NaN row, which marks every
+             * column, marks the tile's first column too, which is stored. */
+            if (p.tile)
+                nfb = rqt_consumers_any(nfb != 0u) ? 0xFFu : 0u;
 #pragma unroll
             for (int j = 0; j < 8; j++)
                 po[j] = (nfb >> j) & 1u ? RQ_BADP : pq;
@@ -1752,14 +1772,15 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
         }
 
         const rqtile tl = rq_tile<G>(p, t);
-        /* one lane a column stores its scale: lane rg < 8 has column rg */
+        /* one lane a column stores its scale: lane rg < 8 has column rg (a
+         * 128 x 128 block's one scale: the first lane, column 0) */
         {
             int pv = po[0];
 #pragma unroll
             for (int j = 1; j < 8; j++)
                 pv = rg == j ? po[j] : pv;
             const int64_t ro = tl.c0 + cl + rg;
-            if (rg < 8 && ro < p.Ro)
+            if ((p.tile ? (w | lane) == 0 : rg < 8) && ro < p.Ro)
                 rq_put_scale<true>(p, tl, ro, tl.r0, pv == RQ_BADP, pv);
         }
 
@@ -1802,9 +1823,10 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
 }
 
 /* Whether rq_fp8t_tma_kernel may take the call (host; the dtypes are the
- * caller's): a plain FP8 1x128 -> 128x1 transpose with F32 scales, rows of
- * whole 16-byte pieces for TMA, 8-byte output pieces, compute capability
- * 9.0 and the driver's tensor-map encoder; grouped, only groups of whole
+ * caller's): a plain FP8 1x128 -> 128x1 transpose with F32 scales (or ->
+ * 128x128 under ROWMAX), rows of whole 16-byte pieces for TMA, 8-byte output
+ * pieces, compute capability 9.0 and the driver's tensor-map encoder;
+ * grouped, only groups of whole
  * 128-row tiles (no TMA box then crosses into the next group, and p.rows_first
  * is 0). FLOWMOE_RQ_TMA=0 keeps rq_fp8t_kernel (for comparisons). */
 static int rq_tma_fits(const rqparams &p, const cudaDeviceProp &prop, int same_dtype, int tr, int grouped)
@@ -1814,9 +1836,10 @@ static int rq_tma_fits(const rqparams &p, const cudaDeviceProp &prop, int same_d
         const char *v = getenv("FLOWMOE_RQ_TMA");
         knob = !(v && v[0] == '0');
     }
-    return knob && same_dtype && tr && !(grouped && p.rows_first) && !p.rmap && !p.tile &&
+    return knob && same_dtype && tr && !(grouped && p.rows_first) && !p.rmap &&
            p.in_mode == FM_SCALE_BLOCK_1x128 &&
-           p.out_mode == FM_SCALE_BLOCK_1x128 && !p.in_e8 && !p.out_e8 &&
+           (p.out_mode == FM_SCALE_BLOCK_1x128 || (p.tile && p.rule == FM_REQUANT_ROWMAX)) && !p.in_e8 &&
+           !p.out_e8 &&
            (p.rule == FM_REQUANT_TIGHT || p.rule == FM_REQUANT_ROWMAX) && p.C % 16 == 0 &&
            (uintptr_t)p.in % 16 == 0 && p.R % 8 == 0 && (uintptr_t)p.out % 8 == 0 && prop.major == 9 &&
            prop.minor == 0 && sm90_tensor_map_encoder() != NULL;
