@@ -1780,7 +1780,7 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
             for (int j = 1; j < 8; j++)
                 pv = rg == j ? po[j] : pv;
             const int64_t ro = tl.c0 + cl + rg;
-            if ((p.tile ? (w | lane) == 0 : rg < 8) && ro < p.Ro)
+            if ((p.tile ? w == 0 && lane == 0 : rg < 8) && ro < p.Ro)
                 rq_put_scale<true>(p, tl, ro, tl.r0, pv == RQ_BADP, pv);
         }
 
