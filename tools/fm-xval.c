@@ -1143,7 +1143,9 @@ static void xv_transpose_scaled_grouped(xv_env *x, xv_counts *cnt)
                 tally(x, cnt, rqg_case(x, sz, G, N, &ic, &oc, rule, kind, 0, name), name);
             }
     /* ROWMAX into one scale per 128 x 128 tile of each group (the flow
-     * recipes' x and h for the weight gradients). */
+     * recipes' x and h for the weight gradients); v % 4 == 2: whole 128-row
+     * tiles in every group and N a multiple of 16 (the layer's h, the TMA
+     * kernel's grouped case). */
     for (int v = 0; v < 12 && !x->cuda_broken; v++) {
         serial++;
         if (x->quick && v % 3)
@@ -1151,8 +1153,10 @@ static void xv_transpose_scaled_grouped(xv_env *x, xv_counts *cnt)
         fm_dtype e = v & 1 ? FM_DTYPE_E5M2 : FM_DTYPE_E4M3;
         int64_t sz[12], G = v % 4 == 0 ? 7 : 12;
         for (int64_t g = 0; g < G; g++)
-            sz[g] = v % 4 == 0 ? s_edge[g] : (rnd(x) % 4 == 0 ? 0 : rndi(x, 1, v % 4 == 3 ? 2000 : 300));
-        int64_t N = Ns[serial % 5];
+            sz[g] = v % 4 == 0   ? s_edge[g]
+                    : v % 4 == 2 ? 128 * (rnd(x) % 4 == 0 ? 0 : rndi(x, 1, 8))
+                                 : (rnd(x) % 4 == 0 ? 0 : rndi(x, 1, v % 4 == 3 ? 2000 : 300));
+        int64_t N = v % 4 == 2 ? Nw[serial % 4] : Ns[serial % 5];
         xv_qcfg ic = {e, FM_SCALE_BLOCK_1x128, FM_SCALE_RULE_POW2,
                       (v / 2) % 2 ? FM_SCALE_LAYOUT_GEMM : FM_SCALE_LAYOUT_COMPACT};
         xv_qcfg oc = {e, FM_SCALE_BLOCK_128x128, FM_SCALE_RULE_POW2,

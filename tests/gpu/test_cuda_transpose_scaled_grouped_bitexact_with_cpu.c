@@ -325,6 +325,12 @@ int main(void)
         run_case(cpu, gpu, sz, G, Ns[k % 4], fmts[k & 1], tile_out[k & 1], FM_REQUANT_ROWMAX,
                  (fm_scale_layout)((k >> 1) & 1), (fm_scale_layout)((k >> 2) & 1), k % 3 != 1, 0);
     }
+    /* ... with whole 128-row tiles in every group (the layer's h, the TMA
+     * kernel's grouped case, where the warps agree on a tile's NaN verdict at
+     * a barrier): NaN tiles or none, N = 272 for a partial column tile. */
+    for (int k = 0; k < 8; k++)
+        run_case(cpu, gpu, s_whole, 6, k & 4 ? 272 : 256, fmts[k & 1], tile_out[k & 1], FM_REQUANT_ROWMAX,
+                 (fm_scale_layout)((k >> 1) & 1), (fm_scale_layout)((k >> 2) & 1), k % 3 != 2, 0);
     /* Refusals: non-power-of-two F32 input scales. */
     static const int64_t s_bad[] = {100, 0, 156};
     for (int k = 0; k < 2; k++)
