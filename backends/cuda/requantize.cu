@@ -1542,7 +1542,7 @@ FM_DI bool rqt_consumers_any(bool v)
     return r != 0u;
 }
 
-/* The lane's 8 row exponents into its warp's slot, for the exact paths. */
+/* The lane's 8 row exponents into its own slot, for the exact paths. */
 FM_DI void rqt_put_pins(int *pins, const int pk[8])
 {
     *(int4 *)pins = make_int4(pk[0], pk[1], pk[2], pk[3]);
@@ -1556,7 +1556,11 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
     extern __shared__ uint8_t rqt_dyn[];
     __shared__ uint64_t full[RQT_STAGES], empty[RQT_STAGES];
     __shared__ uint32_t flut[RQF_NLUT];
-    __shared__ __align__(16) int slow_pin[RQT_CONSUMERS][RQT]; /* the exact paths read exponents through a pointer */
+    /* The exact paths read the row exponents through a pointer: each lane its
+     * own copy, since the slow codes' path is not warp-uniform (a lane and
+     * its partner of the same rows wrote the same copy with no barrier
+     * between: racecheck, S33-13). */
+    __shared__ __align__(16) int slow_pin[RQT_CONSUMERS][32][8];
 
     if (blockIdx.x >= p.ntiles)
         return;
@@ -1760,12 +1764,11 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
         const bool slow_keys = __any_sync(0xFFFFFFFFu, fail);
         if (slow_keys) {
             /* The CPU's keys, element by element, for the blocks K could not settle (warp-wide reductions). */
-            rqt_put_pins(&slow_pin[w][8 * rg], pk);
-            __syncwarp();
+            rqt_put_pins(slow_pin[w][lane], pk);
 #pragma unroll
             for (int j = 0; j < 8; j++) {
                 const int ck = (int)rqf_block_max<false>(
-                    (uint32_t)rqf_exact_key<T, T>(col[j][0], col[j][1], &slow_pin[w][8 * rg], p.rule), true);
+                    (uint32_t)rqf_exact_key<T, T>(col[j][0], col[j][1], slow_pin[w][lane], p.rule), true);
                 if (po[j] == RQF_FAIL)
                     po[j] = rq_block_exp(ck);
             }
@@ -1805,7 +1808,7 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
             continue;
         }
         if (!slow_keys)
-            rqt_put_pins(&slow_pin[w][8 * rg], pk);
+            rqt_put_pins(slow_pin[w][lane], pk);
 #pragma unroll
         for (int j = 0; j < 8; j++, o += tl.Co) {
             const int d = Q - po[j];
@@ -1815,7 +1818,7 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
             else if (po[j] == RQ_BADP)
                 v = make_uint2(fm_nan_word<T>(), fm_nan_word<T>());
             else
-                v = rqf_slow_col<T, T>(col[j][0], col[j][1], &slow_pin[w][8 * rg], po[j]);
+                v = rqf_slow_col<T, T>(col[j][0], col[j][1], slow_pin[w][lane], po[j]);
             if (j < ncol)
                 __stcs((uint2 *)o, v);
         }
