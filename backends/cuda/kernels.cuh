@@ -543,6 +543,28 @@ FM_DI uint64_t fm_l2_keep_policy(void)
     return pol;
 }
 
+/* W bytes of v (1, 2 or 4) stored at p; KEEP: under fm_l2_keep_policy. */
+template <bool KEEP, int W>
+FM_DI void fm_st_keep(void *p, uint32_t v)
+{
+    if (KEEP) {
+        const uint64_t pol = fm_l2_keep_policy();
+        if (W == 1)
+            asm volatile("st.global.L2::cache_hint.u8 [%0], %1, %2;" ::"l"(p), "r"(v), "l"(pol) : "memory");
+        else if (W == 2)
+            asm volatile("st.global.L2::cache_hint.b16 [%0], %1, %2;" ::"l"(p), "h"((unsigned short)v), "l"(pol)
+                         : "memory");
+        else
+            asm volatile("st.global.L2::cache_hint.b32 [%0], %1, %2;" ::"l"(p), "r"(v), "l"(pol) : "memory");
+    } else if (W == 1) {
+        *(uint8_t *)p = (uint8_t)v;
+    } else if (W == 2) {
+        *(uint16_t *)p = (uint16_t)v;
+    } else {
+        *(uint32_t *)p = v;
+    }
+}
+
 template <typename... P, typename... A>
 static cudaError_t fm_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, int pdl,
                              A &&...args)

@@ -319,33 +319,11 @@ static __device__ __forceinline__ uint32_t col_absmax(const uint32_t t[8][8], in
 
 static __device__ __forceinline__ uint32_t fm_umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
 
-/* W bytes (1: an E8M0 scale; 2, 4: a half word or word of them, or an F32
- * scale's bits) into the tile-major scales at b. KEEP: stored evict_last,
- * so that the scatter finds them in L2 and, discarding them there, keeps
- * them from DRAM altogether. */
-template <bool KEEP, int W>
-static __device__ __forceinline__ void put_tm(uint8_t *b, uint32_t v)
-{
-    if (KEEP) {
-        const uint64_t pol = fm_l2_keep_policy();
-        if (W == 1)
-            asm volatile("st.global.L2::cache_hint.u8 [%0], %1, %2;" ::"l"(b), "r"(v), "l"(pol) : "memory");
-        else if (W == 2)
-            asm volatile("st.global.L2::cache_hint.b16 [%0], %1, %2;" ::"l"(b), "h"((unsigned short)v), "l"(pol)
-                         : "memory");
-        else
-            asm volatile("st.global.L2::cache_hint.b32 [%0], %1, %2;" ::"l"(b), "r"(v), "l"(pol) : "memory");
-    } else if (W == 1) {
-        *b = (uint8_t)v;
-    } else if (W == 2) {
-        *(uint16_t *)b = (uint16_t)v;
-    } else {
-        *(uint32_t *)b = v;
-    }
-}
-
 /* Scale entry (r, c) of stored matrix o, in tile t whose stored origin is
- * (r0, c0); KEEP (TM only): see put_tm. */
+ * (r0, c0). KEEP (TM only): the tile-major scales (1: an E8M0 scale; 2, 4:
+ * a half word or word of them, or an F32 scale's bits) are stored
+ * evict_last, so that the scatter finds them in L2 and, discarding them
+ * there, keeps them from DRAM altogether. */
 template <bool TM, bool KEEP>
 static __device__ __forceinline__ void put_scale(const qout &o, int64_t t, int64_t e, int64_t r, int64_t c,
                                                  int64_t r0, int64_t c0, float s32, uint8_t s8)
@@ -353,9 +331,9 @@ static __device__ __forceinline__ void put_scale(const qout &o, int64_t t, int64
     if (TM) {
         uint8_t *b = o.tmaj + t * QTM_TILE;
         if (o.e8)
-            put_tm<KEEP, 1>(b + (r - r0) * 4 + ((c - c0) >> 5), s8);
+            fm_st_keep<KEEP, 1>(b + (r - r0) * 4 + ((c - c0) >> 5), s8);
         else
-            put_tm<KEEP, 4>(b + 4 * (r - r0), __float_as_uint(s32));
+            fm_st_keep<KEEP, 4>(b + 4 * (r - r0), __float_as_uint(s32));
         return;
     }
     int64_t off = e * o.per + fm_scale_offset((fm_scale_mode)o.mode, (fm_scale_layout)o.layout, o.R, o.C, r, c);
@@ -603,7 +581,7 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                         const uint32_t wd = __byte_perm(hw, __shfl_xor_sync(0xFFFFFFFFu, hw, 8), 0x5410u);
                         const int rt = w * 16 + hr * 8 + i2 + b; /* the row in the tile */
                         if (TMWORDS && b < 2)
-                            put_tm<KEEP, 4>(orow.tmaj + t * QTM_TILE + 4 * rt, wd);
+                            fm_st_keep<KEEP, 4>(orow.tmaj + t * QTM_TILE + 4 * rt, wd);
                         else if (b < 2) /* row rt's four blocks are one word of the tile's 512 entries */
                             *(uint32_t *)((uint8_t *)orow.scale + e * orow.per +
                                           ((r0 >> 7) * p.ntc + (c0 >> 7)) * 512 + fm_mx32_gemm_entry(rt, 0)) = wd;
@@ -753,7 +731,7 @@ __global__ void __launch_bounds__(QTHREADS, FM_QUANT_MIN_BLOCKS(IN, RE, CE, MODE
                         }
                     }
                     if (TMWORDS)
-                        put_tm<KEEP, 2>(ocol.tmaj + t * QTM_TILE + 4 * (tid & 127) + 2 * (tid >> 7), cpair);
+                        fm_st_keep<KEEP, 2>(ocol.tmaj + t * QTM_TILE + 4 * (tid & 127) + 2 * (tid >> 7), cpair);
                     else if (cw) /* stored row c0 + c of the column-wise output, c = tid % 128 */
                         *(uint16_t *)((uint8_t *)ocol.scale + e * ocol.per + ((c0 >> 7) * p.ntr + (r0 >> 7)) * 512 +
                                       fm_mx32_gemm_entry(tid & 127, 2 * (tid >> 7))) = (uint16_t)cpair;

@@ -433,9 +433,7 @@ FM_DI void rq_store_scale(const rqparams &p, int e8, int64_t off, int bad, int p
     if (e8)
         ((uint8_t *)p.out_scale)[off] = bad ? (uint8_t)FM_E8M0_NAN : (uint8_t)(pv + 127);
     else if (KEEP)
-        asm volatile("st.global.L2::cache_hint.b32 [%0], %1, %2;" ::"l"((float *)p.out_scale + off),
-                     "r"(bad ? FM_F32_CANON_NAN : __float_as_uint(fm_exp2i(pv))), "l"(fm_l2_keep_policy())
-                     : "memory");
+        fm_st_keep<true, 4>((float *)p.out_scale + off, bad ? FM_F32_CANON_NAN : __float_as_uint(fm_exp2i(pv)));
     else
         ((float *)p.out_scale)[off] = bad ? fm_bits_f32(FM_F32_CANON_NAN) : fm_exp2i(pv);
     if (bad && p.nonfinite)
