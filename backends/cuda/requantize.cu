@@ -1455,8 +1455,9 @@ __global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqp
  * rq_fp8t_kernel's arithmetic for the commonest call (E4M3 -> E4M3 or E5M2
  * -> E5M2, 1 x 128 F32 scales -> 128 x 1, TIGHT or ROWMAX, or -> 128 x 128
  * under ROWMAX, where the consumer warps agree on the tile's one non-finite
- * verdict at a named barrier; one matrix, a stack of experts, or (G)
- * fm_transpose_scaled_grouped's groups when each is whole 128-row tiles),
+ * verdict at a named barrier; one matrix, a stack of experts, (G)
+ * fm_transpose_scaled_grouped's groups when each is whole 128-row tiles, or
+ * fm_transpose_scaled_grouped_rows's token rows, gathered: rqt_gather_rows),
  * with the tile's instructions cut where that kernel spends them
  * (notes/transpose_scaled.md has the counts: on an H200 the old
  * kernel ran on instructions and latency, and this one is 1.14x faster; on an
@@ -1547,6 +1548,47 @@ FM_DI void rqt_put_pins(int *pins, const int pk[8])
     *(int4 *)(pins + 4) = make_int4(pk[4], pk[5], pk[6], pk[7]);
 }
 
+/* The rows' transpose (fm_transpose_scaled_grouped_rows), whose tile rows
+ * are token rows through the row map, which no TMA box describes: the
+ * producer warp gathers them by cp.async into the layout TMA's 128-byte
+ * swizzle gives (16-byte chunk ch of row r at chunk ch ^ (r % 8)), zeros for
+ * padding and for rows past the group, and loads the rows' scales (padding:
+ * scale 1, as rq_load_scales_at). Lane l owns rows l + 32 k's map entries;
+ * copy i of a lane moves chunk l % 8 of row 4 i + l / 8, so a warp's copy
+ * covers four whole 128-byte rows. Against rq_fp8t_kernel (same binary,
+ * FLOWMOE_RQ_TMA=1, H200, S34-1): the flow recipes' dy 242.8 -> 211.8 us,
+ * fp8-flow's x (ROWMAX -> 128 x 128) 238.7 -> 208.9. */
+FM_DI void rqt_gather_rows(const rqparams &p, const rqtile &tl, uint8_t *stage, uint32_t (&raw)[4])
+{
+    const int lane = threadIdx.x & 31;
+    int tok[4]; /* token row, -1 padding, -2 past the group */
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const int64_t r = tl.r0 + lane + 32 * k;
+        tok[k] = -2;
+        raw[k] = 0u;
+        if (r < tl.R) {
+            const uint32_t m = (uint32_t)__ldg(p.rmap + tl.srow + r);
+            tok[k] = m < p.nslots ? (int)fm_fastdiv_div(p.kdiv, m) : -1;
+            raw[k] = tok[k] < 0 ? 0x3F800000u
+                                : __ldg((const uint32_t *)p.in_scale + (int64_t)tok[k] * p.nbi + (tl.c0 >> 7));
+        }
+    }
+    const int ch = lane & 7;
+    const int64_t c = tl.c0 + 16 * ch;
+    const uint32_t base = sm90_sa(stage) + 16u * ch;
+#pragma unroll
+    for (int i = 0; i < 32; i++) {
+        const int row = 4 * i + (lane >> 3);
+        const int t = __shfl_sync(0xFFFFFFFFu, tok[i >> 3], row & 31);
+        const bool in = t >= 0 && c < p.C;
+        const uint8_t *src = in ? p.in + (int64_t)t * p.C + c : p.in;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"((base + RQT * row) ^ (16u * (row & 7))),
+                     "l"(src), "r"(in ? 16 : 0)
+                     : "memory");
+    }
+}
+
 template <int T, bool G>
 __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __grid_constant__ CUtensorMap map,
                                                                      const rqparams p)
@@ -1569,7 +1611,9 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
     const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31;
     if (tid == 0) {
         for (int s = 0; s < RQT_STAGES; s++) {
-            sm90_bar_init(&full[s], 33); /* the producer's 32 lanes, and lane 0's byte count */
+            /* the producer's 32 lanes, and lane 0's byte count (TMA) or the
+             * lanes' copies (the rows' gather) */
+            sm90_bar_init(&full[s], G && p.rmap ? 64 : 33);
             sm90_bar_init(&empty[s], RQT_CONSUMERS);
         }
         sm90_bar_init_fence();
@@ -1579,7 +1623,7 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
     __syncthreads();
 
     if (w == RQT_CONSUMERS) {
-        /* The producer: tile t's codes by TMA, its row exponents by loads.
+        /* The producer: tile t's codes by TMA (or gathered), its row exponents by loads.
          * It fills the ring before it waits for the power-of-two check (the
          * loads read only the input, which the check does not write), so the
          * first tiles arrive while the check runs; on a refusal it leaves
@@ -1597,18 +1641,24 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
                 rq_place(p, t, &te, &tr, &tc);
             }
             const rqtile tl = rq_tile<G>(p, t);
-            if (lane == 0) {
-                sm90_bar_expect(&full[s], RQT * RQT);
-                sm90_tma_load_3d(codes + s * RQT * RQT, &map, &full[s], (int)tl.c0, (int)(tl.srow + tl.r0), (int)te);
-            }
             uint32_t raw[4];
+            if (G && p.rmap) {
+                rqt_gather_rows(p, tl, codes + s * RQT * RQT, raw);
+                sm90_cp_async_arrive(&full[s]);
+            } else {
+                if (lane == 0) {
+                    sm90_bar_expect(&full[s], RQT * RQT);
+                    sm90_tma_load_3d(codes + s * RQT * RQT, &map, &full[s], (int)tl.c0, (int)(tl.srow + tl.r0),
+                                     (int)te);
+                }
 #pragma unroll
-            for (int k = 0; k < 4; k++) {
-                const int64_t r = tl.r0 + lane + 32 * k;
-                raw[k] = r < tl.R ? ((const uint32_t *)p.in_scale)[rq_scale_off(p.in_mode, p.in_layout, p.R, p.C, p.nbi,
-                                                                                p.bi_shift, tl.sin0, tl.srow + r,
-                                                                                tl.c0)]
-                                  : 0u;
+                for (int k = 0; k < 4; k++) {
+                    const int64_t r = tl.r0 + lane + 32 * k;
+                    raw[k] = r < tl.R ? ((const uint32_t *)p.in_scale)[rq_scale_off(p.in_mode, p.in_layout, p.R, p.C,
+                                                                                    p.nbi, p.bi_shift, tl.sin0,
+                                                                                    tl.srow + r, tl.c0)]
+                                      : 0u;
+                }
             }
             int hi = RQ_EMPTY, lo = -RQ_EMPTY;
 #pragma unroll
@@ -1827,17 +1877,22 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
  * caller's): a plain FP8 1x128 -> 128x1 transpose with F32 scales (or ->
  * 128x128 under ROWMAX), rows of whole 16-byte pieces for TMA, 8-byte output
  * pieces, compute capability 9.0 and the driver's tensor-map encoder;
- * grouped, only groups of whole
- * 128-row tiles (no TMA box then crosses into the next group, and p.rows_first
- * is 0). FLOWMOE_RQ_TMA=0 keeps rq_fp8t_kernel (for comparisons). */
-static int rq_tma_fits(const rqparams &p, const cudaDeviceProp &prop, int same_dtype, int tr, int grouped)
+ * grouped, only groups of whole 128-row tiles (no TMA box then crosses into
+ * the next group, and p.rows_first is 0), or the rows' transpose (gathered,
+ * rqt_gather_rows) when every group is a multiple of 8 rows (each output row
+ * of a group then starts 8-byte aligned). For comparisons: FLOWMOE_RQ_TMA=0
+ * keeps rq_fp8t_kernel for every call, FLOWMOE_RQ_TMA=1 for the rows'
+ * transpose. */
+static int rq_tma_fits(const rqparams &p, const cudaDeviceProp &prop, int same_dtype, int tr, int grouped,
+                       int groups8)
 {
     static int knob = -1;
     if (knob < 0) {
         const char *v = getenv("FLOWMOE_RQ_TMA");
-        knob = !(v && v[0] == '0');
+        knob = v && v[0] == '0' ? 0 : v && v[0] == '1' ? 1 : 2;
     }
-    return knob && same_dtype && tr && !(grouped && p.rows_first) && !p.rmap &&
+    const int rows = p.rmap != NULL;
+    return knob && same_dtype && tr && (rows ? knob == 2 && groups8 : !(grouped && p.rows_first)) &&
            p.in_mode == FM_SCALE_BLOCK_1x128 &&
            (p.out_mode == FM_SCALE_BLOCK_1x128 || (p.tile && p.rule == FM_REQUANT_ROWMAX)) && !p.in_e8 &&
            !p.out_e8 &&
@@ -1868,10 +1923,12 @@ static cudaError_t rq_tma_launch(const rqparams &p, int sms, cudaStream_t s)
     const cuuint64_t dims[3] = {(cuuint64_t)p.C, (cuuint64_t)p.R, (cuuint64_t)E};
     const cuuint64_t strides[2] = {(cuuint64_t)p.C, (cuuint64_t)(p.R * p.C)};
     const cuuint32_t box[3] = {RQT, RQT, 1}, es[3] = {1, 1, 1};
-    if (sm90_tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, (void *)p.in, dims, strides, box, es,
-                                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+    if (p.rmap) /* gathered: no map */
+        memset(&map, 0, sizeof map);
+    else if (sm90_tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, (void *)p.in, dims, strides, box, es,
+                                       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
         return cudaErrorNotSupported;
     static int attr = 0, cache = 0;
     cudaError_t err;
@@ -2636,11 +2693,12 @@ static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_
      * one 17 us slower into GEMM-layout scales than into compact ones). */
     int64_t ntr = fm_cdiv(R, RQT), ntiles_rows = E * ntr, nscales_out = E * p.sout;
     int64_t npad = E * fm_scale_padding_2d(out->scale_mode, out->scale_layout, p.Ro, p.Co);
-    int ragged = 0; /* a group that is not a multiple of 128 rows */
+    int ragged = 0, groups8 = 1; /* a group that is not a multiple of 128 rows; every group of 8-row multiples */
     if (sp) { /* the same totals as the table's sentinel, from the host sizes */
         ntiles_rows = nscales_out = npad = 0;
         for (int64_t g = 0; g < sp->groups; g++) {
             ragged |= sp->host[g] % RQT != 0;
+            groups8 &= sp->host[g] % 8 == 0;
             ntiles_rows += fm_cdiv(sp->host[g], RQT);
             nscales_out += fm_scale_count_2d(out->scale_mode, out->scale_layout, C, sp->host[g]);
             npad += fm_scale_padding_2d(out->scale_mode, out->scale_layout, C, sp->host[g]);
@@ -2666,7 +2724,10 @@ static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_
          * S17-11, one binary with the order switched: token rows 35.6% ->
          * 37.3% of copy (254.6 -> 242.8 us, the flow recipes' dy and x), ragged
          * groups 39.6% -> 47.6%, but 128-row groups 64.0% -> 63.0% and the layer's
-         * GEMM-layout call 65.1% -> 63.7%. */
+         * GEMM-layout call 65.1% -> 63.7%. The rows' transpose on the TMA
+         * kernel keeps tile rows fastest too: 211-212 us against 255-256 with
+         * tile columns fastest (H200, S34-1), the token rows of a column strip
+         * then read by every expert's tiles while they sit in L2. */
         p.rows_first = row_map != NULL || ragged;
     }
     const uintptr_t ia = (uintptr_t)in->data, oa = (uintptr_t)out->data;
@@ -2703,7 +2764,7 @@ static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_
     else
         p.vec_out = p.Co % 8 == 0 && oa % 8 == 0;
 
-    p.tma = rq_tma_fits(p, fm_cuda(ctx)->prop, in->dtype == out->dtype, tr, sp != NULL);
+    p.tma = rq_tma_fits(p, fm_cuda(ctx)->prop, in->dtype == out->dtype, tr, sp != NULL, groups8);
     /* The TMA kernel walks plain tiles tile columns fastest, as the grouped
      * ones: 212.8-214.0 -> 207.4 us trusted (S23-10, one binary; the old
      * kernel prefers tile rows fastest, S17-9, and keeps them) */

@@ -46,6 +46,14 @@ __device__ static __forceinline__ void sm90_bar_arrive(uint64_t *b)
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(sm90_sa(b)) : "memory");
 }
 
+/* An arrival once this thread's cp.async copies issued so far have landed
+ * (.noinc: the barrier's count includes it), for a producer that gathers
+ * what TMA boxes cannot describe. */
+__device__ static __forceinline__ void sm90_cp_async_arrive(uint64_t *b)
+{
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(sm90_sa(b)) : "memory");
+}
+
 /* One box of a 2-D tensor map into shared memory; c0 is the inner coordinate. */
 __device__ static __forceinline__ void sm90_tma_load_2d(void *dst, const CUtensorMap *map, uint64_t *bar, int c0,
                                                         int c1)
