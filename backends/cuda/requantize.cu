@@ -1548,6 +1548,27 @@ FM_DI void rqt_put_pins(int *pins, const int pk[8])
     *(int4 *)(pins + 4) = make_int4(pk[4], pk[5], pk[6], pk[7]);
 }
 
+/* The producer's scale loads for tile t (0 past the matrix), issued an
+ * iteration before the tile's stage is filled, so that their latency runs
+ * while the producer waits for the stage: loaded in the iteration that used
+ * them, they left the consumers waiting at the stage's barrier for a third
+ * of their time (H200, S34-3: ncu's stall samples), and a tile ahead the
+ * plain transpose ran 164.3-166.3 -> 156.9-158.5 us, the layer's grouped
+ * call 178.6-179.4 -> 168.5-169.4 (S34-4, S34-5). */
+template <bool G>
+FM_DI void rqt_scales(const rqparams &p, uint32_t t, uint32_t (&raw)[4])
+{
+    const int lane = threadIdx.x & 31;
+    const rqtile tl = rq_tile<G>(p, t);
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const int64_t r = tl.r0 + lane + 32 * k;
+        raw[k] = r < tl.R ? __ldg((const uint32_t *)p.in_scale + rq_scale_off(p.in_mode, p.in_layout, p.R, p.C, p.nbi,
+                                                                               p.bi_shift, tl.sin0, tl.srow + r, tl.c0))
+                          : 0u;
+    }
+}
+
 /* The rows' transpose (fm_transpose_scaled_grouped_rows), whose tile rows
  * are token rows through the row map, which no TMA box describes: the
  * producer warp gathers them by cp.async into the layout TMA's 128-byte
@@ -1557,7 +1578,11 @@ FM_DI void rqt_put_pins(int *pins, const int pk[8])
  * copy i of a lane moves chunk l % 8 of row 4 i + l / 8, so a warp's copy
  * covers four whole 128-byte rows. Against rq_fp8t_kernel (same binary,
  * FLOWMOE_RQ_TMA=1, H200, S34-1): the flow recipes' dy 242.8 -> 211.8 us,
- * fp8-flow's x (ROWMAX -> 128 x 128) 238.7 -> 208.9. */
+ * fp8-flow's x (ROWMAX -> 128 x 128) 238.7 -> 208.9. Not explained, and
+ * left: its loads a tile ahead (as rqt_scales) ran slower, 213.4 -> 230.4
+ * and 207.3 -> 222.8 us (S34-4, S34-5); with the plain calls' scales a tile
+ * ahead dy runs 210 -> 218 (S34-6), and as an instantiation of its own
+ * (a template flag) 213 -> 238 (S34-7). */
 FM_DI void rqt_gather_rows(const rqparams &p, const rqtile &tl, uint8_t *stage, uint32_t (&raw)[4])
 {
     const int lane = threadIdx.x & 31;
@@ -1628,7 +1653,11 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
          * loads read only the input, which the check does not write), so the
          * first tiles arrive while the check runs; on a refusal it leaves
          * once the copies it started have landed. */
+        const bool rows = G && p.rmap;
         int i = 0;
+        uint32_t raw[4];
+        if (!rows)
+            rqt_scales<G>(p, blockIdx.x, raw);
         for (uint32_t t = blockIdx.x; t < p.ntiles; t += gridDim.x, i++) {
             const int s = i % RQT_STAGES, ph = (i / RQT_STAGES) & 1;
             if (i == RQT_STAGES && rqt_refused_drain(p, full, i))
@@ -1641,24 +1670,12 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
                 rq_place(p, t, &te, &tr, &tc);
             }
             const rqtile tl = rq_tile<G>(p, t);
-            uint32_t raw[4];
-            if (G && p.rmap) {
+            if (rows) {
                 rqt_gather_rows(p, tl, codes + s * RQT * RQT, raw);
                 sm90_cp_async_arrive(&full[s]);
-            } else {
-                if (lane == 0) {
-                    sm90_bar_expect(&full[s], RQT * RQT);
-                    sm90_tma_load_3d(codes + s * RQT * RQT, &map, &full[s], (int)tl.c0, (int)(tl.srow + tl.r0),
-                                     (int)te);
-                }
-#pragma unroll
-                for (int k = 0; k < 4; k++) {
-                    const int64_t r = tl.r0 + lane + 32 * k;
-                    raw[k] = r < tl.R ? ((const uint32_t *)p.in_scale)[rq_scale_off(p.in_mode, p.in_layout, p.R, p.C,
-                                                                                    p.nbi, p.bi_shift, tl.sin0,
-                                                                                    tl.srow + r, tl.c0)]
-                                      : 0u;
-                }
+            } else if (lane == 0) {
+                sm90_bar_expect(&full[s], RQT * RQT);
+                sm90_tma_load_3d(codes + s * RQT * RQT, &map, &full[s], (int)tl.c0, (int)(tl.srow + tl.r0), (int)te);
             }
             int hi = RQ_EMPTY, lo = -RQ_EMPTY;
 #pragma unroll
@@ -1675,6 +1692,8 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
             if (lane == 0)
                 qmin[s] = make_int2(hi, lo);
             sm90_bar_arrive(&full[s]);
+            if (!rows && t + gridDim.x < p.ntiles)
+                rqt_scales<G>(p, t + gridDim.x, raw);
         }
         if (i <= RQT_STAGES)
             rqt_refused_drain(p, full, i);
