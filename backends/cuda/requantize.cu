@@ -1578,11 +1578,14 @@ FM_DI void rqt_scales(const rqparams &p, uint32_t t, uint32_t (&raw)[4])
  * copy i of a lane moves chunk l % 8 of row 4 i + l / 8, so a warp's copy
  * covers four whole 128-byte rows. Against rq_fp8t_kernel (same binary,
  * FLOWMOE_RQ_TMA=1, H200, S34-1): the flow recipes' dy 242.8 -> 211.8 us,
- * fp8-flow's x (ROWMAX -> 128 x 128) 238.7 -> 208.9. Not explained, and
- * left: its loads a tile ahead (as rqt_scales) ran slower, 213.4 -> 230.4
- * and 207.3 -> 222.8 us (S34-4, S34-5); with the plain calls' scales a tile
- * ahead dy runs 210 -> 218 (S34-6), and as an instantiation of its own
- * (a template flag) 213 -> 238 (S34-7). */
+ * fp8-flow's x (ROWMAX -> 128 x 128) 238.7 -> 208.9. One producer warp
+ * bounds it (the consumers wait at the full barrier for 42% of their stall
+ * samples, S34-8): a second one, alternating tiles, ran dy in 159.6 us and
+ * x in 164.6 (S34-9, notes/transpose_two_producers_s34.patch) but slowed
+ * the plain untrusted call 158 -> 173, so it waits for a per-call choice.
+ * Its loads a tile ahead (as rqt_scales) measured 228-230 us against
+ * 213-214 (S34-4, S34-5); this code itself measured 208-218 us over S34-6,
+ * S34-8 and S34-9, so a few us between binaries are not a finding. */
 FM_DI void rqt_gather_rows(const rqparams &p, const rqtile &tl, uint8_t *stage, uint32_t (&raw)[4])
 {
     const int lane = threadIdx.x & 31;
