@@ -99,6 +99,7 @@ typedef struct rqparams {
     int vec_in, vec_out;
     int vec_in16; /* rows of whole 16-byte chunks from a 16-byte aligned base (FP8) */
     int tma;      /* the call may take rq_fp8t_tma_kernel (rq_tma_fits) */
+    int tma_rag;  /* ... as rq_fp8t_tma_kernel<.., RAG>: groups of any size, rows of any alignment */
     int cols_first; /* plain tiles: tile columns fastest (rq_place), for the TMA kernel */
     int pdl;        /* host: the call's kernel directly follows the check, and may start during it (fm_launch) */
     int64_t R, C;     /* stored input matrix */
@@ -1456,18 +1457,20 @@ __global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqp
  * -> E5M2, 1 x 128 F32 scales -> 128 x 1, TIGHT or ROWMAX, or -> 128 x 128
  * under ROWMAX, where the consumer warps agree on the tile's one non-finite
  * verdict at a named barrier; one matrix, a stack of experts, (G)
- * fm_transpose_scaled_grouped's groups when each is whole 128-row tiles, or
- * fm_transpose_scaled_grouped_rows's token rows, gathered: rqt_gather_rows),
+ * fm_transpose_scaled_grouped's groups of any size (a ragged group's last
+ * tile masked, rqt_mask_rows), or fm_transpose_scaled_grouped_rows's token
+ * rows, gathered: rqt_gather_rows),
  * with the tile's instructions cut where that kernel spends them
  * (notes/transpose_scaled.md has the counts: on an H200 the old
  * kernel ran on instructions and latency, and this one is 1.14x faster; on an
  * H100 both run on DRAM, S23, and the grouped call gains from the barrier and
  * group search per tile that this kernel does not have):
- *  - a producer warp streams each tile's codes into a ring of RQT_STAGES
- *    stages with one TMA copy (128-byte swizzle, zeros past the matrix) and
- *    its 128 row exponents and their maximum Q and minimum, completing on a
- *    "full" mbarrier; the 8 consumer warps hand a stage back on an "empty"
- *    one as soon as they hold it in registers. No CTA-wide barrier per tile:
+ *  - one or two producer warps (alternate tiles; rq_tma_producers) stream
+ *    each tile's codes into a ring of RQT_STAGES stages with one TMA copy
+ *    (128-byte swizzle, zeros past the matrix) and its 128 row exponents
+ *    and their maximum Q and minimum, completing on a "full" mbarrier;
+ *    the 8 consumer warps hand a stage back on an "empty" one as soon as
+ *    they hold it in registers. No CTA-wide barrier per tile:
  *    each warp owns 16 whole output blocks (columns) and runs on its own.
  *  - each code is decoded once: s = h x 2^(p_in - Q) in half precision, the
  *    column maxima of |s| give the block exponents (the maximum is exact when
@@ -1490,7 +1493,11 @@ __global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqp
 
 #define RQT_STAGES 4
 #define RQT_CONSUMERS 8
-#define RQT_THREADS (32 * (RQT_CONSUMERS + 1))
+/* P producer warps take alternate tiles (each stage has one producer), a
+ * choice per call (rq_tma_producers): one left the consumers waiting at the
+ * full barrier for a quarter of their stall samples even with its scale
+ * loads a tile ahead, itself waiting on them (H200, S34-8). */
+#define RQT_THREADS(P) (32 * (RQT_CONSUMERS + (P)))
 /* Codes (1024-byte aligned stages, 1 KiB of slack to align the base), then
  * per stage the 128 row exponents and the tile's (Q, smallest exponent). */
 #define RQT_DYN_SMEM (1024 + RQT_STAGES * (RQT * RQT + RQT * 4 + 8))
@@ -1502,14 +1509,16 @@ struct rqt_fmt {
     static const uint32_t kfast = rqf_thr<T>::v > 0x400u ? rqf_thr<T>::v : 0x400u; /* exact and normal */
 };
 
-/* Whether the call was refused (rq_refused); if so, after the first n <=
- * RQT_STAGES stages' copies have landed (a CTA must not exit with copies into
- * its shared memory in flight). */
-FM_DI bool rqt_refused_drain(const rqparams &p, uint64_t *full, int n)
+/* Whether the call was refused (rq_refused); if so, after the copies a
+ * producer started into stages first, first + P, ... below n
+ * (its first tiles) have landed (a CTA must not exit with copies into its
+ * shared memory in flight). */
+template <int P>
+FM_DI bool rqt_refused_drain(const rqparams &p, uint64_t *full, int first, int n)
 {
     if (!rq_refused(p.verdict))
         return false;
-    for (int k = 0; k < n; k++)
+    for (int k = first; k < n && k < RQT_STAGES; k += P)
         sm90_bar_wait(&full[k], 0);
     return true;
 }
@@ -1548,6 +1557,50 @@ FM_DI void rqt_put_pins(int *pins, const int pk[8])
     *(int4 *)(pins + 4) = make_int4(pk[4], pk[5], pk[6], pk[7]);
 }
 
+/* A ragged group's last tile (rq_tile's R - r0 < 128): the TMA box holds
+ * the next group's rows past it, which must weigh as the zeros past the
+ * matrix do. n: the lane's rows 8 rg .. 8 rg + 7 still in the group. */
+FM_DI void rqt_mask_rows(uint32_t (&col)[8][2], int64_t n)
+{
+    const int k = n < 0 ? 0 : n > 8 ? 8 : (int)n;
+    const uint32_t lo = k >= 4 ? 0xFFFFFFFFu : (1u << (8 * k)) - 1u;
+    const uint32_t hi = k >= 8 ? 0xFFFFFFFFu : k <= 4 ? 0u : (1u << (8 * (k - 4))) - 1u;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        col[j][0] &= lo;
+        col[j][1] &= hi;
+    }
+}
+
+/* Column j's 8 output codes at o: one 8-byte store when every output row
+ * is 8-byte aligned (whole8), else the widest stores o allows, and only the
+ * n bytes left in a ragged group's row. */
+FM_DI void rqt_put8(uint8_t *o, uint2 v, int n, bool whole8)
+{
+    if (whole8) {
+        __stcs((uint2 *)o, v);
+        return;
+    }
+    const uint64_t x = ((uint64_t)v.y << 32) | v.x;
+    const uintptr_t a = (uintptr_t)o;
+    for (int k = 0; k < n;) {
+        const uint64_t y = x >> (8 * k);
+        if (n - k == 8 && (a & 7) == 0) {
+            __stcs((uint2 *)o, v);
+            k = 8;
+        } else if (n - k >= 4 && ((a + k) & 3) == 0) {
+            __stcs((unsigned int *)(o + k), (unsigned int)y);
+            k += 4;
+        } else if (n - k >= 2 && ((a + k) & 1) == 0) {
+            __stcs((unsigned short *)(o + k), (unsigned short)y);
+            k += 2;
+        } else {
+            __stcs(o + k, (unsigned char)y);
+            k += 1;
+        }
+    }
+}
+
 /* The producer's scale loads for tile t (0 past the matrix), issued an
  * iteration before the tile's stage is filled, so that their latency runs
  * while the producer waits for the stage: loaded in the iteration that used
@@ -1580,12 +1633,11 @@ FM_DI void rqt_scales(const rqparams &p, uint32_t t, uint32_t (&raw)[4])
  * FLOWMOE_RQ_TMA=1, H200, S34-1): the flow recipes' dy 242.8 -> 211.8 us,
  * fp8-flow's x (ROWMAX -> 128 x 128) 238.7 -> 208.9. One producer warp
  * bounds it (the consumers wait at the full barrier for 42% of their stall
- * samples, S34-8): a second one, alternating tiles, ran dy in 159.6 us and
- * x in 164.6 (S34-9, notes/transpose_two_producers_s34.patch) but slowed
- * the plain untrusted call 158 -> 173, so it waits for a per-call choice.
- * Its loads a tile ahead (as rqt_scales) measured 228-230 us against
- * 213-214 (S34-4, S34-5); this code itself measured 208-218 us over S34-6,
- * S34-8 and S34-9, so a few us between binaries are not a finding. */
+ * samples, S34-8), so it runs with two (rq_tma_producers): dy 212-214 ->
+ * 160-161 us, x 208-210 -> 166 (S35-1). Its loads a tile ahead (as
+ * rqt_scales) measured 228-230 us against 213-214 (S34-4, S34-5); this
+ * code itself measured 208-218 us over S34-6, S34-8 and S34-9, so a few us
+ * between binaries are not a finding. */
 FM_DI void rqt_gather_rows(const rqparams &p, const rqtile &tl, uint8_t *stage, uint32_t (&raw)[4])
 {
     const int lane = threadIdx.x & 31;
@@ -1617,8 +1669,8 @@ FM_DI void rqt_gather_rows(const rqparams &p, const rqtile &tl, uint8_t *stage, 
     }
 }
 
-template <int T, bool G>
-__global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __grid_constant__ CUtensorMap map,
+template <int T, bool G, int P, bool RAG>
+__global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __grid_constant__ CUtensorMap map,
                                                                      const rqparams p)
 {
     extern __shared__ uint8_t rqt_dyn[];
@@ -1630,6 +1682,8 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
      * between: racecheck, S33-13). */
     __shared__ __align__(16) int slow_pin[RQT_CONSUMERS][32][8];
 
+    static_assert(RQT_STAGES % P == 0, "each stage has one producer");
+    static_assert(G || !RAG, "ragged tiles are groups'");
     if (blockIdx.x >= p.ntiles)
         return;
     /* offsets from rqt_dyn keep the accesses in the shared window (LDS, not generic loads) */
@@ -1650,29 +1704,38 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
         flut[tid] = rqf_factor_bits(tid);
     __syncthreads();
 
-    if (w == RQT_CONSUMERS) {
-        /* The producer: tile t's codes by TMA (or gathered), its row exponents by loads.
-         * It fills the ring before it waits for the power-of-two check (the
-         * loads read only the input, which the check does not write), so the
-         * first tiles arrive while the check runs; on a refusal it leaves
-         * once the copies it started have landed. */
+    if (w >= RQT_CONSUMERS) {
+        /* Producer pw: the CTA's tiles i = pw, pw + P, ... (stages pw, pw +
+         * P, ...: each stage has one producer), tile t's codes by TMA (or
+         * gathered), its row exponents by loads. It fills its stages before
+         * it waits for the power-of-two check (the loads read only the
+         * input, which the check does not write), so the first tiles arrive
+         * while the check runs; on a refusal it leaves once the copies it
+         * started have landed. */
+        const int pw = w - RQT_CONSUMERS;
+        const uint64_t step = (uint64_t)P * gridDim.x;
         const bool rows = G && p.rmap;
-        int i = 0;
+        int i = pw;
+        bool drained = false;
         uint32_t raw[4];
-        if (!rows)
-            rqt_scales<G>(p, blockIdx.x, raw);
-        for (uint32_t t = blockIdx.x; t < p.ntiles; t += gridDim.x, i++) {
+        uint64_t t = blockIdx.x + (uint64_t)pw * gridDim.x;
+        if (!rows && t < p.ntiles)
+            rqt_scales<G>(p, (uint32_t)t, raw);
+        for (; t < p.ntiles; t += step, i += P) {
             const int s = i % RQT_STAGES, ph = (i / RQT_STAGES) & 1;
-            if (i == RQT_STAGES && rqt_refused_drain(p, full, i))
-                return;
+            if (i >= RQT_STAGES && !drained) {
+                drained = true;
+                if (rqt_refused_drain<P>(p, full, pw, i))
+                    return;
+            }
             if (i >= RQT_STAGES)
                 sm90_bar_wait(&empty[s], ph ^ 1);
             uint32_t te = 0;
             if (!G) {
                 uint32_t tr, tc;
-                rq_place(p, t, &te, &tr, &tc);
+                rq_place(p, (uint32_t)t, &te, &tr, &tc);
             }
-            const rqtile tl = rq_tile<G>(p, t);
+            const rqtile tl = rq_tile<G>(p, (uint32_t)t);
             if (rows) {
                 rqt_gather_rows(p, tl, codes + s * RQT * RQT, raw);
                 sm90_cp_async_arrive(&full[s]);
@@ -1695,11 +1758,11 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
             if (lane == 0)
                 qmin[s] = make_int2(hi, lo);
             sm90_bar_arrive(&full[s]);
-            if (!rows && t + gridDim.x < p.ntiles)
-                rqt_scales<G>(p, t + gridDim.x, raw);
+            if (!rows && t + step < p.ntiles)
+                rqt_scales<G>(p, (uint32_t)(t + step), raw);
         }
-        if (i <= RQT_STAGES)
-            rqt_refused_drain(p, full, i);
+        if (!drained)
+            rqt_refused_drain<P>(p, full, pw, i);
         return;
     }
     if (rq_refused(p.verdict))
@@ -1753,6 +1816,15 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
             const uint32_t a = col[j][0], b = col[j][1];
             col[j][0] = __byte_perm(a, b, sel[0]);
             col[j][1] = __byte_perm(a, b, sel[1]);
+        }
+        /* RAG: the tile now, for the mask; else after the keys (held from
+         * here, the plain call spilled registers and the grouped ones ran
+         * 12-18 us slower, S35-2) */
+        rqtile tl;
+        if (RAG) {
+            tl = rq_tile<G>(p, t);
+            if (tl.r0 + RQT > tl.R)
+                rqt_mask_rows(col, tl.R - tl.r0 - 8 * rg);
         }
 
         const int Q = qm.x == RQ_EMPTY ? 0 : qm.x;
@@ -1844,7 +1916,8 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
             }
         }
 
-        const rqtile tl = rq_tile<G>(p, t);
+        if (!RAG)
+            tl = rq_tile<G>(p, t);
         /* one lane a column stores its scale: lane rg < 8 has column rg (a
          * 128 x 128 block's one scale: the first lane, column 0) */
         {
@@ -1867,13 +1940,17 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
         }
         const int64_t oc = tl.r0 + 8 * rg;
         const int ncol = oc < tl.Co ? (int)min((int64_t)8, p.Ro - (tl.c0 + cl)) : 0; /* columns to store */
+        /* bytes a column: 8, but for a ragged group's last lanes */
+        const int nb = (int)min((int64_t)8, tl.Co - oc);
+        /* every output row 8-byte aligned (a ragged group's need not be) */
+        const bool whole8 = !RAG || ((tl.Co & 7) == 0 && ((uintptr_t)tl.out & 7) == 0);
         uint8_t *o = tl.out + (tl.c0 + cl) * tl.Co + oc;
         if (fast) {
 #pragma unroll
             for (int j = 0; j < 8; j++, o += tl.Co) {
                 const uint2 v = rqt_enc8<T>(sv[j], Q - po[j]);
                 if (j < ncol)
-                    __stcs((uint2 *)o, v);
+                    rqt_put8(o, v, nb, whole8);
             }
             continue;
         }
@@ -1890,37 +1967,33 @@ __global__ void __launch_bounds__(RQT_THREADS, 2) rq_fp8t_tma_kernel(const __gri
             else
                 v = rqf_slow_col<T, T>(col[j][0], col[j][1], slow_pin[w][lane], po[j]);
             if (j < ncol)
-                __stcs((uint2 *)o, v);
+                rqt_put8(o, v, nb, whole8);
         }
     }
 }
 
 /* Whether rq_fp8t_tma_kernel may take the call (host; the dtypes are the
  * caller's): a plain FP8 1x128 -> 128x1 transpose with F32 scales (or ->
- * 128x128 under ROWMAX), rows of whole 16-byte pieces for TMA, 8-byte output
- * pieces, compute capability 9.0 and the driver's tensor-map encoder;
- * grouped, only groups of whole 128-row tiles (no TMA box then crosses into
- * the next group, and p.rows_first is 0), or the rows' transpose (gathered,
- * rqt_gather_rows) when every group is a multiple of 8 rows (each output row
- * of a group then starts 8-byte aligned). For comparisons: FLOWMOE_RQ_TMA=0
- * keeps rq_fp8t_kernel for every call, FLOWMOE_RQ_TMA=1 for the rows'
- * transpose. */
-static int rq_tma_fits(const rqparams &p, const cudaDeviceProp &prop, int same_dtype, int tr, int grouped,
-                       int groups8)
+ * 128x128 under ROWMAX), rows of whole 16-byte pieces for TMA, compute
+ * capability 9.0 and the driver's tensor-map encoder; plain, rows of 8-byte
+ * output pieces; grouped, any groups (a ragged group's last tile masks the
+ * rows past it, rqt_mask_rows, and stores what its rows' alignment allows,
+ * rqt_put8), and the rows' transpose (gathered, rqt_gather_rows). For
+ * comparisons: FLOWMOE_RQ_TMA=0 keeps rq_fp8t_kernel for every call,
+ * FLOWMOE_RQ_TMA=1 for the rows' transpose and ragged groups. */
+static int rq_tma_fits(const rqparams &p, const cudaDeviceProp &prop, int same_dtype, int tr, int grouped)
 {
     static int knob = -1;
     if (knob < 0) {
         const char *v = getenv("FLOWMOE_RQ_TMA");
         knob = v && v[0] == '0' ? 0 : v && v[0] == '1' ? 1 : 2;
     }
-    const int rows = p.rmap != NULL;
-    return knob && same_dtype && tr && (rows ? knob == 2 && groups8 : !(grouped && p.rows_first)) &&
-           p.in_mode == FM_SCALE_BLOCK_1x128 &&
+    const int newer = grouped && (p.rmap != NULL || p.rows_first); /* the rows' transpose, ragged groups */
+    return knob && same_dtype && tr && (!newer || knob == 2) && p.in_mode == FM_SCALE_BLOCK_1x128 &&
            (p.out_mode == FM_SCALE_BLOCK_1x128 || (p.tile && p.rule == FM_REQUANT_ROWMAX)) && !p.in_e8 &&
-           !p.out_e8 &&
-           (p.rule == FM_REQUANT_TIGHT || p.rule == FM_REQUANT_ROWMAX) && p.C % 16 == 0 &&
-           (uintptr_t)p.in % 16 == 0 && p.R % 8 == 0 && (uintptr_t)p.out % 8 == 0 && prop.major == 9 &&
-           prop.minor == 0 && sm90_tensor_map_encoder() != NULL;
+           !p.out_e8 && (p.rule == FM_REQUANT_TIGHT || p.rule == FM_REQUANT_ROWMAX) && p.C % 16 == 0 &&
+           (uintptr_t)p.in % 16 == 0 && (grouped || (p.R % 8 == 0 && (uintptr_t)p.out % 8 == 0)) &&
+           prop.major == 9 && prop.minor == 0 && sm90_tensor_map_encoder() != NULL;
 }
 
 /* 0 when FLOWMOE_RQ_PDL=0: the kernel after the scale check is launched
@@ -1935,8 +2008,56 @@ static int rq_pdl_knob(void)
     return knob;
 }
 
-/* The TMA kernel on a grid of the CTAs that fit at once; cudaErrorNotSupported
- * when the tensor map cannot be made (the caller then runs rq_fp8t_kernel). */
+/* The TMA transpose's producer warps for a grouped call (plain calls have
+ * one): two for the rows' gather and for calls with no scale check beside
+ * them, one otherwise. Two against one (H200, S34-9 and S35-1): the rows'
+ * dy 212-214 -> 160-161 us, x 208-210 -> 166, the layer's grouped call 165
+ * -> 153-155, ROWMAX h 167.6 -> 158.6; but the grouped untrusted call 170
+ * -> 173, the plain one untrusted 158 -> 177 and trusted 156 -> 163. Ragged
+ * groups (rq_fp8t_tma_kernel<.., RAG>) keep one: 286 against 307 us.
+ * FLOWMOE_RQT_PRODUCERS=1 or 2 sets the count of every other grouped call
+ * (for comparisons). */
+static int rq_tma_producers(const rqparams &p)
+{
+    static int knob = -1;
+    if (knob < 0) {
+        const char *v = getenv("FLOWMOE_RQT_PRODUCERS");
+        knob = v && (v[0] == '1' || v[0] == '2') ? v[0] - '0' : 0;
+    }
+    if (knob)
+        return knob;
+    return p.rmap || !p.verdict ? 2 : 1;
+}
+
+/* The TMA kernel on a grid of the CTAs that fit at once. */
+template <int T, bool G, int P, bool RAG>
+static cudaError_t rq_tma_launch_p(const CUtensorMap &map, const rqparams &p, int sms, cudaStream_t s)
+{
+    static int attr = 0, cache = 0;
+    cudaError_t err;
+    if (!__atomic_load_n(&attr, __ATOMIC_RELAXED)) {
+        err = cudaFuncSetAttribute(rq_fp8t_tma_kernel<T, G, P, RAG>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   RQT_DYN_SMEM);
+        if (err != cudaSuccess)
+            return err;
+        __atomic_store_n(&attr, 1, __ATOMIC_RELAXED);
+    }
+    int per = 0;
+    if ((err = rq_ctas_per_sm(rq_fp8t_tma_kernel<T, G, P, RAG>, RQT_THREADS(P), RQT_DYN_SMEM, &cache, &per)) !=
+        cudaSuccess)
+        return err;
+    int64_t g = (int64_t)(per > 0 ? per : 1) * (sms > 0 ? sms : 1);
+    if (g > (int64_t)p.ntiles)
+        g = p.ntiles;
+    /* RAG starts after the check, not beside it: 251 against 286 us for the
+     * ragged groups (H200, S35-2, FLOWMOE_RQ_PDL=0); rq_fp8t_kernel took
+     * them in 274 (S35-3, FLOWMOE_RQ_TMA=1) */
+    return fm_launch(rq_fp8t_tma_kernel<T, G, P, RAG>, (unsigned)g, RQT_THREADS(P), RQT_DYN_SMEM, s, RAG ? 0 : p.pdl,
+                     map, p);
+}
+
+/* The TMA kernel; cudaErrorNotSupported when the tensor map cannot be made
+ * (the caller then runs rq_fp8t_kernel). */
 template <int T, bool G>
 static cudaError_t rq_tma_launch(const rqparams &p, int sms, cudaStream_t s)
 {
@@ -1952,21 +2073,13 @@ static cudaError_t rq_tma_launch(const rqparams &p, int sms, cudaStream_t s)
                                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
         return cudaErrorNotSupported;
-    static int attr = 0, cache = 0;
-    cudaError_t err;
-    if (!__atomic_load_n(&attr, __ATOMIC_RELAXED)) {
-        err = cudaFuncSetAttribute(rq_fp8t_tma_kernel<T, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, RQT_DYN_SMEM);
-        if (err != cudaSuccess)
-            return err;
-        __atomic_store_n(&attr, 1, __ATOMIC_RELAXED);
+    if constexpr (G) {
+        if (p.tma_rag)
+            return rq_tma_launch_p<T, G, 1, true>(map, p, sms, s);
+        if (rq_tma_producers(p) == 2)
+            return rq_tma_launch_p<T, G, 2, false>(map, p, sms, s);
     }
-    int per = 0;
-    if ((err = rq_ctas_per_sm(rq_fp8t_tma_kernel<T, G>, RQT_THREADS, RQT_DYN_SMEM, &cache, &per)) != cudaSuccess)
-        return err;
-    int64_t g = (int64_t)(per > 0 ? per : 1) * (sms > 0 ? sms : 1);
-    if (g > (int64_t)p.ntiles)
-        g = p.ntiles;
-    return fm_launch(rq_fp8t_tma_kernel<T, G>, (unsigned)g, RQT_THREADS, RQT_DYN_SMEM, s, p.pdl, map, p);
+    return rq_tma_launch_p<T, G, 1, false>(map, p, sms, s);
 }
 
 /* ---- row-wise conversions: a thread per 32-element row segment ------------
@@ -2516,8 +2629,13 @@ static cudaError_t rq_launch3(const rqparams &p, int sms, cudaStream_t s)
     int64_t g = (int64_t)(per > 0 ? per : 1) * (sms > 0 ? sms : 1);
     if (g > (int64_t)p.ntiles)
         g = p.ntiles;
+    /* Grouped, rq_fp8t_kernel starts after the check, not beside it: the
+     * ragged transpose ran 312 us beside it against 275 after it (H200,
+     * S35-1, FLOWMOE_RQ_PDL=0, before the TMA kernel took ragged groups),
+     * while its plain calls measured the same either way and the TMA
+     * transpose 5 us faster beside it. */
     if constexpr (F)
-        return fm_launch(rq_fp8t_kernel<TI, TO, G>, (unsigned)g, RQTHREADS, RQF_DYN_SMEM(G), s, p.pdl, p);
+        return fm_launch(rq_fp8t_kernel<TI, TO, G>, (unsigned)g, RQTHREADS, RQF_DYN_SMEM(G), s, G ? 0 : p.pdl, p);
     else
         return fm_launch(requant_tile_kernel<TI, TO, TR, G>, (unsigned)g, RQTHREADS, 0, s, p.pdl, p);
 }
@@ -2755,7 +2873,8 @@ static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_
          * GEMM-layout call 65.1% -> 63.7%. The rows' transpose on the TMA
          * kernel keeps tile rows fastest too: 211-212 us against 255-256 with
          * tile columns fastest (H200, S34-1), the token rows of a column strip
-         * then read by every expert's tiles while they sit in L2. */
+         * then read by every expert's tiles while they sit in L2; ragged
+         * groups there too: 243 us against 274 (H200, S35-3). */
         p.rows_first = row_map != NULL || ragged;
     }
     const uintptr_t ia = (uintptr_t)in->data, oa = (uintptr_t)out->data;
@@ -2792,7 +2911,11 @@ static fm_status rq_run(fm_context *ctx, const fm_requant_config *cfg, const fm_
     else
         p.vec_out = p.Co % 8 == 0 && oa % 8 == 0;
 
-    p.tma = rq_tma_fits(p, fm_cuda(ctx)->prop, in->dtype == out->dtype, tr, sp != NULL, groups8);
+    p.tma = rq_tma_fits(p, fm_cuda(ctx)->prop, in->dtype == out->dtype, tr, sp != NULL);
+    /* a group's last tile partial with the next group's rows in its TMA box
+     * (the rows' gather fills zeros instead), or an output row that may
+     * start anywhere */
+    p.tma_rag = p.tma && sp && ((row_map ? !groups8 : ragged) || (uintptr_t)out->data % 8 != 0);
     /* The TMA kernel walks plain tiles tile columns fastest, as the grouped
      * ones: 212.8-214.0 -> 207.4 us trusted (S23-10, one binary; the old
      * kernel prefers tile rows fastest, S17-9, and keeps them) */

@@ -354,8 +354,9 @@ int main(void)
         run_rows_case(cpu, gpu, 50 + 97 * (i % 5), i % 3 ? 256 : 7168 / 28 + 16, E, k, i % 2 ? 128 : 16, rc[i % 5].i,
                       rc[i % 5].o, rc[i % 5].rule, i % 3 == 2, 0);
     }
-    /* groups of 8-row multiples (the gathering TMA kernel's least) and of
-     * any size (the older kernel's), each under both rules */
+    /* groups of 8-row multiples (every output row of the gathering TMA
+     * kernel 8-byte aligned) and of any size (its ragged last tiles and
+     * unaligned rows), each under both rules */
     for (int i = 0; i < 4; i++)
         run_rows_case(cpu, gpu, 333, 7168 / 28 + 16, 6, 3, i < 2 ? 8 : 1, rc[i & 1].i, rc[i & 1].o, rc[i & 1].rule,
                       0, 0);
