@@ -2014,7 +2014,8 @@ static int rq_pdl_knob(void)
  * dy 212-214 -> 160-161 us, x 208-210 -> 166, the layer's grouped call 165
  * -> 153-155, ROWMAX h 167.6 -> 158.6; but the grouped untrusted call 170
  * -> 173, the plain one untrusted 158 -> 177 and trusted 156 -> 163. Ragged
- * groups (rq_fp8t_tma_kernel<.., RAG>) keep one: 286 against 307 us.
+ * groups (rq_fp8t_tma_kernel<.., RAG>) keep one: 251 against 263 us after
+ * the check, 286 against 307 beside it (S35-2).
  * FLOWMOE_RQT_PRODUCERS=1 or 2 sets the count of every other grouped call
  * (for comparisons). */
 static int rq_tma_producers(const rqparams &p)
