@@ -116,17 +116,21 @@ static void same_outcome(fm_context *gpu, const char *cs, fm_status stc, const c
     }
 }
 
+/* out_off: the device codes start that many bytes past an aligned base
+ * (FP8 outputs need only be element-aligned), whose bytes before them must
+ * stay untouched too. */
 static void run_case(fm_context *cpu, fm_context *gpu, const int64_t *sizes, int64_t G, int64_t N, fmt fi, fmt fo,
-                     fm_requant_rule rule, fm_scale_layout sli, fm_scale_layout slo, int nan_blocks, int bad_scale)
+                     fm_requant_rule rule, fm_scale_layout sli, fm_scale_layout slo, int nan_blocks, int bad_scale,
+                     int out_off)
 {
     int64_t rows = 0;
     for (int64_t g = 0; g < G; g++)
         rows += sizes[g];
     char cs[200];
-    snprintf(cs, sizeof cs, "%s %s -> %s %s rule %d %s/%s N %lld groups %lld rows %lld%s%s", fm_dtype_name(fi.dt),
-             fm_scale_mode_name(fi.m), fm_dtype_name(fo.dt), fm_scale_mode_name(fo.m), (int)rule,
+    snprintf(cs, sizeof cs, "%s %s -> %s %s rule %d %s/%s N %lld groups %lld rows %lld%s%s out +%d",
+             fm_dtype_name(fi.dt), fm_scale_mode_name(fi.m), fm_dtype_name(fo.dt), fm_scale_mode_name(fo.m), (int)rule,
              fm_scale_layout_name(sli), fm_scale_layout_name(slo), (long long)N, (long long)G, (long long)rows,
-             nan_blocks ? " NaN" : "", bad_scale ? " non-pow2 scale" : "");
+             nan_blocks ? " NaN" : "", bad_scale ? " non-pow2 scale" : "", out_off);
     size_t n = (size_t)(rows * N);
     float *x = malloc(sizeof(float) * (n ? n : 1));
     for (size_t i = 0; i < n; i++) {
@@ -167,7 +171,8 @@ static void run_case(fm_context *cpu, fm_context *gpu, const int64_t *sizes, int
     ind.device = od.device = FM_DEVICE_CUDA;
     ind.data = dev_copy(hid, nid, 0);
     ind.scale = dev_copy(his, nis, 0);
-    od.data = dev_copy(NULL, nod, guard);
+    uint8_t *obase = dev_copy(NULL, nod + (size_t)out_off, guard);
+    od.data = obase + out_off;
     od.scale = dev_copy(NULL, nos, guard);
     int64_t *dbad = dev_copy(NULL, 8, 0);
     fm_requant_config cd = {.rule = rule, .nonfinite_blocks = dbad};
@@ -175,9 +180,14 @@ static void run_case(fm_context *cpu, fm_context *gpu, const int64_t *sizes, int
     char gmsg[768];
     snprintf(gmsg, sizeof gmsg, "%s", fm_last_error(gpu));
     same_outcome(gpu, cs, stc, cmsg, stg, gmsg, hod, od.data, nod, hos, od.scale, nos, guard, &hbad, dbad);
+    if (out_off) {
+        uint8_t front[8];
+        memset(front, 0xA5, sizeof front);
+        same_dev(front, obase, (size_t)out_off, 0, "bytes before the codes", cs);
+    }
     cudaFree(ind.data);
     cudaFree(ind.scale);
-    cudaFree(od.data);
+    cudaFree(obase);
     cudaFree(od.scale);
     cudaFree(dbad);
     free(hid);
@@ -311,7 +321,7 @@ int main(void)
                 /* N a multiple of 16 with whole groups, as the TMA kernel needs (272, 288: a partial column tile) */
                 const int64_t N = v == 3 ? 256 + 16 * (c % 3) : Ns[c % 4];
                 run_case(cpu, gpu, sz, G, N, fmts[a], fmts[b], rule, (fm_scale_layout)(c & 1),
-                         (fm_scale_layout)((c >> 1) & 1), c % 5 == 0, 0);
+                         (fm_scale_layout)((c >> 1) & 1), c % 5 == 0, 0, 0);
             }
     /* ROWMAX into one scale per 128 x 128 tile of each group (the flow
      * recipes' x and h for the weight gradients): both FP8 dtypes, both
@@ -323,19 +333,31 @@ int main(void)
         const int64_t *sz = k % 3 == 0 ? s_edge : k % 3 == 1 ? s_one : s_rand;
         const int64_t G = k % 3 == 0 ? 7 : k % 3 == 1 ? 4 : 8;
         run_case(cpu, gpu, sz, G, Ns[k % 4], fmts[k & 1], tile_out[k & 1], FM_REQUANT_ROWMAX,
-                 (fm_scale_layout)((k >> 1) & 1), (fm_scale_layout)((k >> 2) & 1), k % 3 != 1, 0);
+                 (fm_scale_layout)((k >> 1) & 1), (fm_scale_layout)((k >> 2) & 1), k % 3 != 1, 0, 0);
     }
     /* ... with whole 128-row tiles in every group (the layer's h, the TMA
      * kernel's grouped case, where the warps agree on a tile's NaN verdict at
      * a barrier): NaN tiles or none, N = 272 for a partial column tile. */
     for (int k = 0; k < 8; k++)
         run_case(cpu, gpu, s_whole, 6, k & 4 ? 272 : 256, fmts[k & 1], tile_out[k & 1], FM_REQUANT_ROWMAX,
-                 (fm_scale_layout)((k >> 1) & 1), (fm_scale_layout)((k >> 2) & 1), k % 3 != 2, 0);
+                 (fm_scale_layout)((k >> 1) & 1), (fm_scale_layout)((k >> 2) & 1), k % 3 != 2, 0, 0);
+    /* codes at an odd address (each output row then starts anywhere; the TMA
+     * kernel's ragged stores): ragged groups and whole 128-row ones, both
+     * rules, compact and GEMM-layout scales */
+    for (int k = 0; k < 6; k++) {
+        for (int g = 0; g < 8; g++)
+            s_rand[g] = rnd() % 4 == 0 ? 0 : (int64_t)(rnd() % 400);
+        const int64_t *sz = k % 3 == 0 ? s_edge : k % 3 == 1 ? s_whole : s_rand;
+        const int64_t G = k % 3 == 0 ? 7 : k % 3 == 1 ? 6 : 8;
+        run_case(cpu, gpu, sz, G, k & 1 ? 256 : 64, fmts[k & 1], fmts[k & 1],
+                 k < 3 ? FM_REQUANT_TIGHT : FM_REQUANT_ROWMAX, (fm_scale_layout)(k & 1), (fm_scale_layout)(k >> 2),
+                 k == 2, 0, 1 + (int)(rnd() % 7));
+    }
     /* Refusals: non-power-of-two F32 input scales. */
     static const int64_t s_bad[] = {100, 0, 156};
     for (int k = 0; k < 2; k++)
         run_case(cpu, gpu, s_bad, 3, 256, fmts[k], fmts[k], FM_REQUANT_TIGHT, (fm_scale_layout)k,
-                 FM_SCALE_LAYOUT_COMPACT, 0, 1);
+                 FM_SCALE_LAYOUT_COMPACT, 0, 1, k);
     /* The rows' transpose: FP8 outputs (what the CUDA kernel writes), the
      * flow recipes' TIGHT and ROWMAX tile calls first. */
     static const struct {
