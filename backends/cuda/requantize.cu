@@ -2008,26 +2008,22 @@ static int rq_pdl_knob(void)
     return knob;
 }
 
-/* The TMA transpose's producer warps for a grouped call (plain calls have
- * one): two for the rows' gather and for calls with no scale check beside
- * them, one otherwise. Two against one (H200, S34-9 and S35-1): the rows'
- * dy 212-214 -> 160-161 us, x 208-210 -> 166, the layer's grouped call 165
- * -> 153-155, ROWMAX h 167.6 -> 158.6; but the grouped untrusted call 170
- * -> 173, the plain one untrusted 158 -> 177 and trusted 156 -> 163. Ragged
- * groups (rq_fp8t_tma_kernel<.., RAG>) keep one: 251 against 263 us after
- * the check, 286 against 307 beside it (S35-2).
- * FLOWMOE_RQT_PRODUCERS=1 or 2 sets the count of every other grouped call
- * (for comparisons). */
-static int rq_tma_producers(const rqparams &p)
+/* The TMA transpose's producer warps for a grouped call: two (plain calls
+ * and ragged groups have one). Two against one (H200, S34-9, S35-1, S35-9):
+ * the rows' dy 212-214 -> 160-161 us, x 208-210 -> 166, the layer's
+ * grouped call 165 -> 153-155, ROWMAX h 167.6 -> 158.6, the untrusted
+ * grouped call 169.9-170.6 -> 166.1-168.5 (after the check; beside it
+ * 172.3-173.2); but the plain call untrusted 158 -> 177 and trusted 156 ->
+ * 163, and ragged groups 251 -> 263. FLOWMOE_RQT_PRODUCERS=1 or 2 sets the
+ * count of every grouped call but ragged ones (for comparisons). */
+static int rq_tma_producers(void)
 {
     static int knob = -1;
     if (knob < 0) {
         const char *v = getenv("FLOWMOE_RQT_PRODUCERS");
         knob = v && (v[0] == '1' || v[0] == '2') ? v[0] - '0' : 0;
     }
-    if (knob)
-        return knob;
-    return p.rmap || !p.verdict ? 2 : 1;
+    return knob ? knob : 2;
 }
 
 /* The TMA kernel on a grid of the CTAs that fit at once. */
@@ -2050,11 +2046,13 @@ static cudaError_t rq_tma_launch_p(const CUtensorMap &map, const rqparams &p, in
     int64_t g = (int64_t)(per > 0 ? per : 1) * (sms > 0 ? sms : 1);
     if (g > (int64_t)p.ntiles)
         g = p.ntiles;
-    /* RAG starts after the check, not beside it: 251 against 286 us for the
-     * ragged groups (H200, S35-2, FLOWMOE_RQ_PDL=0); rq_fp8t_kernel took
-     * them in 274 (S35-3, FLOWMOE_RQ_TMA=1) */
-    return fm_launch(rq_fp8t_tma_kernel<T, G, P, RAG>, (unsigned)g, RQT_THREADS(P), RQT_DYN_SMEM, s, RAG ? 0 : p.pdl,
-                     map, p);
+    /* RAG and two producers start after the check, not beside it: ragged
+     * groups 251 against 286 us (H200, S35-2, FLOWMOE_RQ_PDL=0;
+     * rq_fp8t_kernel took them in 274, S35-3), the untrusted grouped call
+     * 166.1-168.5 against 172.3-173.2 (S35-9); one producer, the plain
+     * call, is 5 us faster beside it. */
+    return fm_launch(rq_fp8t_tma_kernel<T, G, P, RAG>, (unsigned)g, RQT_THREADS(P), RQT_DYN_SMEM, s,
+                     RAG || P == 2 ? 0 : p.pdl, map, p);
 }
 
 /* The TMA kernel; cudaErrorNotSupported when the tensor map cannot be made
@@ -2077,7 +2075,7 @@ static cudaError_t rq_tma_launch(const rqparams &p, int sms, cudaStream_t s)
     if constexpr (G) {
         if (p.tma_rag)
             return rq_tma_launch_p<T, G, 1, true>(map, p, sms, s);
-        if (rq_tma_producers(p) == 2)
+        if (rq_tma_producers() == 2)
             return rq_tma_launch_p<T, G, 2, false>(map, p, sms, s);
     }
     return rq_tma_launch_p<T, G, 1, false>(map, p, sms, s);
