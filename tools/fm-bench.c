@@ -96,39 +96,58 @@ static double now_us(void)
     return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
 }
 
-/* Median milliseconds of fn over `reps` timed calls after `warm` calls; the
- * hold is twice the longest enqueue seen in the warm-up, plus 50 us. */
-static float time_median(bench_fn fn, void *arg, cudaStream_t s)
+/* Median milliseconds of each of n calls fn(args[j]) over `reps` timed
+ * rounds after `warm` untimed ones; a round times every call once, in turn,
+ * so that a clock or power drift during the run (the layer's rows moved by
+ * 0.3 ms between runs, one recipe after another) reaches every call alike
+ * and the ratios between them stay a figure. The hold is twice the longest
+ * enqueue seen in the warm-up, plus 50 us. */
+static void time_medians(bench_fn fn, void *const *args, int n, cudaStream_t s, float *ms)
 {
     cudaEvent_t a, b;
     CK(cudaEventCreate(&a));
     CK(cudaEventCreate(&b));
     double enq = 0.0;
-    for (int i = 0; i < warm; i++) {
-        CK(cudaStreamSynchronize(s));
-        const double t0 = now_us();
-        fn(arg, i);
-        const double t1 = now_us();
-        enq = t1 - t0 > enq ? t1 - t0 : enq;
-    }
+    for (int i = 0; i < warm; i++)
+        for (int j = 0; j < n; j++) {
+            CK(cudaStreamSynchronize(s));
+            const double t0 = now_us();
+            fn(args[j], i);
+            const double t1 = now_us();
+            enq = t1 - t0 > enq ? t1 - t0 : enq;
+        }
     CK(cudaStreamSynchronize(s));
     static double hold;
     hold = 2.0 * enq + 50.0;
     hold = hold < 200000.0 ? hold : 200000.0;
-    float *t = malloc(sizeof(float) * (size_t)reps);
-    for (int i = 0; i < reps; i++) {
-        CK(cudaLaunchHostFunc(s, hold_fn, &hold));
-        CK(cudaEventRecord(a, s));
-        fn(arg, i);
-        CK(cudaEventRecord(b, s));
-        CK(cudaEventSynchronize(b));
-        CK(cudaEventElapsedTime(&t[i], a, b));
+    float *t = malloc(sizeof(float) * (size_t)reps * (size_t)n);
+    if (!t) {
+        fprintf(stderr, "fm-bench: out of host memory\n");
+        exit(1);
     }
-    qsort(t, (size_t)reps, sizeof(float), cmpf);
-    float m = t[reps / 2];
+    for (int i = 0; i < reps; i++)
+        for (int j = 0; j < n; j++) {
+            CK(cudaLaunchHostFunc(s, hold_fn, &hold));
+            CK(cudaEventRecord(a, s));
+            fn(args[j], i);
+            CK(cudaEventRecord(b, s));
+            CK(cudaEventSynchronize(b));
+            CK(cudaEventElapsedTime(&t[(size_t)j * (size_t)reps + (size_t)i], a, b));
+        }
+    for (int j = 0; j < n; j++) {
+        float *tj = t + (size_t)j * (size_t)reps;
+        qsort(tj, (size_t)reps, sizeof(float), cmpf);
+        ms[j] = tj[reps / 2];
+    }
     free(t);
     cudaEventDestroy(a);
     cudaEventDestroy(b);
+}
+
+static float time_median(bench_fn fn, void *arg, cudaStream_t s)
+{
+    float m;
+    time_medians(fn, &arg, 1, s, &m);
     return m;
 }
 
@@ -1059,9 +1078,12 @@ static int bench_layer(fm_context *ctx, cudaStream_t s, const char *filter, lres
     }
     fill_device(l.x.data, FM_DTYPE_F32, (size_t)LB_T * LB_H);
     fill_device(l.dy.data, FM_DTYPE_F32, (size_t)LB_T * LB_H);
-    int n = 0;
-    double bf16_ms = 0;
-    int64_t bf16_saved = 0;
+    /* Every picked layer is made first and all are timed in the same
+     * rounds (time_medians): the speedups are ratios within one stretch of
+     * the run, not of recipes measured one after another. */
+    lrun runs[LB_ROWS];
+    void *args[LB_ROWS];
+    int rowof[LB_ROWS], timed[LB_ROWS], n = 0, nt = 0; /* timed: index into args, -1 if not timed */
     for (int r = 0; r < LB_ROWS; r++) {
         if (!picked(names[r], filter))
             continue;
@@ -1072,32 +1094,48 @@ static int bench_layer(fm_context *ctx, cudaStream_t s, const char *filter, lres
                                    .max_tokens = LB_T, .wgrad_tight_columns = v >= 0 && lb_variant[v].tight,
                                    .single_stream = v >= 0 && lb_variant[v].single,
                                    .recompute_h = v >= 0 && lb_variant[v].recompute};
-        lresult *o = &out[n++];
+        lresult *o = &out[n];
         memset(o, 0, sizeof *o);
         o->recipe = rc;
         o->label = v < 0 ? fm_recipe_name(rc) : lb_variant[v].label;
-        l.layer = NULL;
-        l.name = names[r];
-        l.failed = 0;
-        if (fm_moe_layer_create(ctx, &cfg, &l.layer) != FM_OK || fm_moe_layer_refresh_weights(l.layer, &l.w) != FM_OK) {
+        lrun *u = &runs[n];
+        *u = l;
+        u->name = names[r];
+        if (fm_moe_layer_create(ctx, &cfg, &u->layer) != FM_OK || fm_moe_layer_refresh_weights(u->layer, &u->w) != FM_OK) {
             fprintf(stderr, "fm-bench: %s: %s\n", names[r], fm_last_error(ctx));
-            l.failed = 1;
+            u->failed = 1;
         }
-        CK(cudaStreamSynchronize(s));
-        float ms = l.failed ? 0.0f : time_median(lrun_fn, &l, s);
-        CK(cudaGetLastError());
+        timed[n] = u->failed ? -1 : nt;
+        if (!u->failed)
+            args[nt++] = u;
+        rowof[n++] = r;
+    }
+    CK(cudaStreamSynchronize(s));
+    float tms[LB_ROWS];
+    if (nt > 0)
+        time_medians(lrun_fn, args, nt, s, tms);
+    CK(cudaGetLastError());
+    double bf16_ms = 0;
+    int64_t bf16_saved = 0;
+    for (int j = 0; j < n; j++) {
+        lrun *u = &runs[j];
+        lresult *o = &out[j];
+        const float ms = timed[j] < 0 || u->failed ? 0.0f : tms[timed[j]];
         fm_moe_layer_info info;
-        if (l.layer && fm_moe_layer_get_info(l.layer, &info) == FM_OK)
+        if (u->layer && fm_moe_layer_get_info(u->layer, &info) == FM_OK)
             o->workspace = info.workspace_bytes, o->saved = info.saved_bytes;
         o->ms = ms;
-        o->ok = !l.failed;
-        if (r == FM_RECIPE_BF16 && o->ok)
+        o->ok = !u->failed;
+        if (rowof[j] == FM_RECIPE_BF16 && o->ok)
             bf16_ms = ms, bf16_saved = o->saved;
-        o->speedup = bf16_ms > 0 && o->ok && ms > 0 ? bf16_ms / ms : 0;
+        fprintf(stderr, "fm-bench: %-60s %8.2f ms\n", u->name, ms);
+        if (u->layer)
+            fm_moe_layer_destroy(u->layer);
+    }
+    for (int j = 0; j < n; j++) {
+        lresult *o = &out[j];
+        o->speedup = bf16_ms > 0 && o->ok && o->ms > 0 ? bf16_ms / o->ms : 0;
         o->saved_frac = bf16_saved > 0 && o->ok ? (double)o->saved / (double)bf16_saved : 0;
-        fprintf(stderr, "fm-bench: %-60s %8.2f ms\n", names[r], ms);
-        if (l.layer)
-            fm_moe_layer_destroy(l.layer);
     }
     for (int i = 0; i < 6; i++)
         cudaFree(*ws[i]);
