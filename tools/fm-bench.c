@@ -18,8 +18,9 @@
  * The MoE ops (permute, unpermute, SwiGLU and dSwiGLU + quantize) run at
  * issue 7's shapes in the same table, next to the unfused sequences of
  * library ops they replace; then a whole MoE layer's forward + backward per
- * recipe, in ms per step and relative to bf16 (--no-layer skips it: it
- * allocates several GB).
+ * recipe, in ms per step and relative to bf16, every picked layer made
+ * first and all timed in rounds (--no-layer skips it: it allocates about
+ * 4 GB a layer, 36 GB for the nine rows).
  *
  * With 2 GPUs or more and NCCL: expert-parallel dispatch and combine over
  * NCCL, one thread and rank per GPU (issue 9's shape: 16384 tokens per rank,
