@@ -227,47 +227,65 @@ FM_DI uint32_t fm_h2_pow2(int k)
     return h | (h << 16);
 }
 
+/* The three multipliers fm_fp8x8_e2m1 takes for a shift d in [-23, 14]:
+ * 2^(d + 1), 2^d and 2^(d - 1) as half-precision pairs. */
+typedef struct fm_h2_shift3 {
+    uint32_t up, at, down;
+} fm_h2_shift3;
+
+FM_DI fm_h2_shift3 fm_h2_shift3_of(int d)
+{
+    fm_h2_shift3 m;
+    m.up = fm_h2_pow2(d + 1);
+    m.at = fm_h2_pow2(d);
+    m.down = fm_h2_pow2(d - 1);
+    return m;
+}
+
 /* Eight FP8 codes of dtype TI (two words, byte i = element i) times 2^d ->
  * eight E2M1 codes, element i in bits 4i..4i+3, equal to fm_e2m1_from_f32
- * of the exact product: hm = fm_h2_pow2(d - 6), d in [-18, 21]. In half
- * precision, on pairs: a = |v| 2^(d - 6) is exact wherever it can reach the
- * E2M1 grid (an FP8 value has at most 4 significant bits, half precision is
- * exact down to 2^-24 and the grid starts at 2^-8); a smaller product may
- * round, but to something that still ends at 0. With CLAMP a is clamped to
- * 6 2^-6 (an overflow to Inf included), as satfinite rounds; without, the
- * caller knows no product passes it. Then one add rounds a on the grid: M =
- * 2^(e + 9) for a in [2^e, 2^(e+1)) (floor 2^3) has the grid's step in that
- * binade as its ulp, and M' = M plus 2 (e_M - 3) ulps, an even count, so the
- * add's RNE is the grid's, and the sum's mantissa field is the binade's
- * first code plus the steps above it: the E2M1 magnitude code, at most 7,
- * so the low byte of each half is the code and nothing else (M' from t, the
- * floored exponent bits: t + t / 2^9 + 0x2400 - 0x12). The signs come from
- * the codes' bit 7 by two sign-replicating PRMTs, after the packing. The
- * row conversion's path without the clamp takes 158 SASS instructions for
- * 32 codes, 203 with the version before this one, which took the sign and
- * the binade's first code pair by pair (S27, cuobjdump). The word must be
- * one a block can hold: a NaN code, or without CLAMP a product past 6, may
- * spill into its neighbours' codes (the callers write non-finite blocks
- * themselves). Checked for every code in every place, every d, with and
- * without CLAMP, by tests/gpu/test_cuda_hw_fp8_cvt_equals_codec.cu. */
+ * of the exact product, for d in [-23, 14] (m = fm_h2_shift3_of(d): its
+ * multipliers are half-precision numbers there). The E2M1 magnitude code
+ * of v = |x| 2^d is min(RNE(2v), RNE(v) + 2, RNE(v / 2) + 4): each term is
+ * the code where its binade's step is the grid's ([0, 2), [2, 4), [4, 6]),
+ * and elsewhere the larger one, as RNE is monotonic. Each term is one
+ * half-precision FMA onto 1024 + 2j, where the ulp is 1: an FP8 value has
+ * at most 4 significant bits and the product is exact inside the FMA, so
+ * its one rounding is the grid's RNE, ties to even included (1024 + 2j
+ * keeps the parity), and the sum's low byte is the term. A pair of codes
+ * takes one cvt, three FMAs and one three-way minimum (VHMNMX); the S27
+ * form took the binade from the exponent bits, three integer instructions
+ * a pair more: the row conversion 1x128 -> E2M1, trusted, 112.4 -> 109.0 us
+ * (H200, S37-3). With CLAMP the minimum with 1031 (code 7) saturates as
+ * satfinite rounds (an overflow to Inf included); without, the caller knows
+ * no product passes 6. The signs come from the codes' bit 7 by two
+ * sign-replicating PRMTs, after the packing. The word must be one a block
+ * can hold: a NaN code, or without CLAMP a product past 6, may spill into
+ * its neighbours' codes (the callers write non-finite blocks themselves).
+ * Checked for every code in every place, every d, with and without CLAMP,
+ * by tests/gpu/test_cuda_hw_fp8_cvt_equals_codec.cu. */
 template <int TI, bool CLAMP>
-FM_DI uint32_t fm_fp8x8_e2m1(uint32_t w0, uint32_t w1, uint32_t hm)
+FM_DI uint32_t fm_fp8x8_e2m1(uint32_t w0, uint32_t w1, fm_h2_shift3 m)
 {
     uint32_t c[4];
 #pragma unroll
     for (int q = 0; q < 4; q++) {
         const uint32_t two = ((q < 2 ? w0 : w1) >> (16 * (q & 1))) & 0xFFFFu;
-        uint32_t h, a, s;
+        uint32_t h, s;
         if (TI == FM_DTYPE_E4M3)
             asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)two));
         else
             h = __byte_perm(two, 0u, 0x1404); /* an E5M2 code is the high byte of its F16 */
-        asm("{ .reg .b32 t; abs.f16x2 t, %1; mul.rn.f16x2 %0, t, %2; }" : "=r"(a) : "r"(h), "r"(hm));
+        asm("{ .reg .b32 a, x, y, z; abs.f16x2 a, %1;\n\t"
+            "fma.rn.f16x2 x, a, %2, %5;\n\t"
+            "fma.rn.f16x2 y, a, %3, %6;\n\t"
+            "fma.rn.f16x2 z, a, %4, %7;\n\t"
+            "min.f16x2 x, x, y;\n\t"
+            "min.f16x2 %0, x, z; }"
+            : "=r"(s)
+            : "r"(h), "r"(m.up), "r"(m.at), "r"(m.down), "r"(0x64006400u), "r"(0x64026402u), "r"(0x64046404u));
         if (CLAMP)
-            asm("min.f16x2 %0, %1, %2;" : "=r"(a) : "r"(a), "r"(0x2E002E00u)); /* 6 * 2^-6 */
-        const uint32_t t = __vmaxu2(a & 0x7C007C00u, 0x24002400u);
-        const uint32_t mp = t + (t >> 9) + 0x23EE23EEu;
-        asm("add.rn.f16x2 %0, %1, %2;" : "=r"(s) : "r"(a), "r"(mp));
+            asm("min.f16x2 %0, %1, %2;" : "=r"(s) : "r"(s), "r"(0x64076407u)); /* 1024 + 7 */
         c[q] = s;
     }
     uint32_t even, odd; /* byte j: 0xFF where element 2j (2j + 1) is negative */

@@ -2094,7 +2094,8 @@ static cudaError_t rq_tma_launch(const rqparams &p, int sms, cudaStream_t s)
  *    tile kernel's lookup per element; the magnitudes' maximum is taken on
  *    16-bit lanes (VIMNMX.U16x2), two codes an instruction.
  *  - the codes: rq_encode_row, the tile kernel's arithmetic; for an E2M1
- *    output with 2^(d - 6) a half-precision number, fm_fp8x8_e2m1 (kernels.cuh).
+ *    output with 2^d inside fm_fp8x8_e2m1's range, that encoder (kernels.cuh:
+ *    half-precision FMAs and minima, no per-code integer arithmetic).
  *  - an E2M1 input is first spread into the E4M3 codes of its values times
  *    2^-6 (rq_e2m1_as_e4m3, exact), so that every input takes the FP8 path
  *    (tests/test_scale_exp_rules checks the monotonicity). */
@@ -2140,17 +2141,36 @@ struct rqseg {
     uint32_t c;   /* first column (BI == 0 only) */
 };
 
-/* The codes of an FP8 input: lane l loads 16-byte chunks l and 32 + l of
- * its warp's 32 segments (1 KB, two contiguous 512-byte requests), and
- * rq_rows_kernel exchanges them through shared memory so that each lane
- * gets its own segment's two chunks. Each lane loading its own 32 bytes
- * used half of every 32-byte sector a request: MX32 -> E2M1 83.5% -> 84.4%
- * of copy, 1 x 128 -> E2M1 (trusted) 80.0% -> 82.3% (S17-1). */
+/* The codes of an FP8 input with compact MX32 scales (RQS_XCHG): lane l loads
+ * 16-byte chunks l and 32 + l of its warp's 32 segments (1 KB, two
+ * contiguous 512-byte requests), and rq_rows_kernel exchanges them through
+ * shared memory so that each lane gets its own segment's two chunks. Each
+ * lane loading its own 32 bytes used half of every 32-byte sector a
+ * request: MX32 -> E2M1 83.5% -> 84.4% of copy, 1 x 128 -> E2M1 (trusted)
+ * 80.0% -> 82.3% (S17-1, H100); on the H200 MX32 -> E2M1 is 0.3-1 us
+ * faster with it (S37-1 to S37-3). F32 input scales may have the
+ * power-of-two check before the kernel, and the exchange's 8 KB of shared
+ * memory a CTA keep the kernel's CTAs from starting on an SM while the
+ * check's run there (the SM's shared memory split differs): there each
+ * lane loads its own 32 bytes, 1x128 -> E2M1 untrusted 120.8 -> 114.9 us,
+ * trusted level (H200, S37-1, S37-2; the check asking for the largest
+ * shared-memory split instead, S37-2, gained 2.5 us there and cost the TMA
+ * transpose after its check 30). */
+#define RQS_XCHG (BI == 32)
 template <int TI, int NW, int BI, int BO>
 FM_DI void rq_rows_load(const rqparams &p, uint32_t sg, rqseg<NW> &g)
 {
     constexpr bool X = TI == FM_DTYPE_E2M1;
-    if (!X) { /* every lane: its chunks may belong to other lanes' segments */
+    if (!X && !RQS_XCHG) { /* its own 32 bytes */
+        uint4 v0 = make_uint4(0u, 0u, 0u, 0u), v1 = v0;
+        if (sg < p.ntiles) {
+            const uint8_t *src = p.in + ((int64_t)sg << 5);
+            v0 = __ldcs((const uint4 *)src);
+            v1 = __ldcs((const uint4 *)(src + 16));
+        }
+        g.w[0] = v0.x, g.w[1] = v0.y, g.w[2] = v0.z, g.w[3] = v0.w;
+        g.w[4] = v1.x, g.w[5] = v1.y, g.w[6] = v1.z, g.w[7] = v1.w;
+    } else if (!X) { /* every lane: its chunks may belong to other lanes' segments */
         const uint32_t wb = sg & ~31u, lane = sg & 31u;
         const uint8_t *src = p.in + ((int64_t)wb << 5) + 16 * lane;
         uint4 v0 = make_uint4(0u, 0u, 0u, 0u), v1 = v0;
@@ -2242,19 +2262,19 @@ FM_DI void rq_rows_segment(const rqparams &p, const int *lut, uint32_t sg, const
     } else {
         const int pw = X ? pin + 6 : pin; /* the exponent of the words' values */
         const int d = pw - pv;
-        if (TO == FM_DTYPE_E2M1 && d >= -18 && d <= 21) {
-            const uint32_t hm = fm_h2_pow2(d - 6);
+        if (TO == FM_DTYPE_E2M1 && d >= -23 && d <= 14) {
+            const fm_h2_shift3 m3 = fm_h2_shift3_of(d);
             /* The POW2 rule's exponent keeps every |v| 2^d <= 6 unless it was
              * clamped at 127 (a block past 6 2^127); MX_FLOOR's lets values
              * saturate. */
             if (p.rule != FM_REQUANT_MX_FLOOR && pv < 127) {
 #pragma unroll
                 for (int q = 0; q < 4; q++)
-                    o[q] = fm_fp8x8_e2m1<TI, false>(w[2 * q], w[2 * q + 1], hm);
+                    o[q] = fm_fp8x8_e2m1<TI, false>(w[2 * q], w[2 * q + 1], m3);
             } else {
 #pragma unroll
                 for (int q = 0; q < 4; q++)
-                    o[q] = fm_fp8x8_e2m1<TI, true>(w[2 * q], w[2 * q + 1], hm);
+                    o[q] = fm_fp8x8_e2m1<TI, true>(w[2 * q], w[2 * q + 1], m3);
             }
         } else {
             const float m = rq_mult(pw, pv);
@@ -2288,7 +2308,7 @@ __global__ void __launch_bounds__(RQS_THREADS) rq_rows_kernel(const rqparams p)
     constexpr bool X = TI == FM_DTYPE_E2M1;      /* read as E4M3 codes (rq_e2m1_as_e4m3) */
     constexpr int TC = X ? FM_DTYPE_E4M3 : TI;   /* the codes rq_rows_segment sees */
     constexpr int NW = X ? 4 : 8;                /* input words a segment */
-    __shared__ uint4 xs[X ? 1 : RQS_THREADS / 32][64]; /* FP8 input: rq_rows_load's chunks, by warp */
+    __shared__ uint4 xs[X || !RQS_XCHG ? 1 : RQS_THREADS / 32][64]; /* rq_rows_load's chunks, by warp */
     __shared__ int lut[128];
     for (int i = threadIdx.x; i < 128; i += RQS_THREADS)
         lut[i] = X ? rq_code_key<TI, TO>((i >> 2) & 7, p.rule) : rq_code_key<TI, TO>(i, p.rule);
@@ -2311,7 +2331,9 @@ __global__ void __launch_bounds__(RQS_THREADS) rq_rows_kernel(const rqparams p)
         const bool more = nb < p.ntiles && nb > base;
         if (more)
             rq_rows_load<TI, NW, BI, BO>(p, nb + lane, gn);
-        if constexpr (!X) {
+        if constexpr (!X && !RQS_XCHG) {
+            rq_rows_segment<TC, TO, X, NW, BI, BO>(p, lut, base + lane, g, g.w);
+        } else if constexpr (!X) {
             /* chunk j at slot j ^ (j / 8 % 2): no bank conflicts either way */
             uint4 *x = xs[threadIdx.x >> 5];
             x[lane ^ ((lane >> 3) & 1)] = make_uint4(g.w[0], g.w[1], g.w[2], g.w[3]);
