@@ -2097,8 +2097,10 @@ static cudaError_t rq_tma_launch(const rqparams &p, int sms, cudaStream_t s)
  *    output with 2^d inside fm_fp8x8_e2m1's range, that encoder (kernels.cuh:
  *    half-precision FMAs and minima, no per-code integer arithmetic).
  *  - an E2M1 input is first spread into the E4M3 codes of its values times
- *    2^-6 (rq_e2m1_as_e4m3, exact), so that every input takes the FP8 path
- *    (tests/test_scale_exp_rules checks the monotonicity). */
+ *    2^-6 (fm_e2m1x8_as_e4m3, exact), so that every input takes the FP8 path
+ *    (tests/test_scale_exp_rules checks the monotonicity); into an FP8
+ *    output whose codes need no rounding (every product normal), the codes
+ *    are picked from a table by PRMTs (fm_e2m1x8_to_fp8). */
 
 #define RQS_THREADS 256
 
@@ -2205,26 +2207,8 @@ FM_DI void rq_rows_load(const rqparams &p, uint32_t sg, rqseg<NW> &g)
     }
 }
 
-/* Eight E2M1 codes (one word) as the E4M3 codes of the same values times
- * 2^-6 (two words, byte i = element i): E2M1's sign, exponent and mantissa
- * bits placed in E4M3's sign, low exponent and high mantissa bits, so that
- * E2M1's subnormal 0.5 lands on E4M3's subnormal 2^-7. */
-FM_DI void rq_e2m1_as_e4m3(uint32_t w, uint32_t *lo, uint32_t *hi)
-{
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        uint32_t y = __byte_perm(w, 0u, h ? 0x4342u : 0x4140u); /* two nibble pairs, a byte apart */
-        y = (y | (y << 4)) & 0x0F0F0F0Fu;                       /* a nibble a byte */
-        const uint32_t e = ((y & 0x08080808u) << 4) | ((y & 0x07070707u) << 2);
-        if (h)
-            *hi = e;
-        else
-            *lo = e;
-    }
-}
-
 /* Every lane of the warp calls (the shuffles of a 1 x 128 output block).
- * TI: the words' FP8 code dtype; X: the words are rq_e2m1_as_e4m3's of an
+ * TI: the words' FP8 code dtype; X: the words are fm_e2m1x8_as_e4m3's of an
  * E2M1 input (TI = E4M3, the LUT indexed by those bytes, 2^6 more in the
  * multiplier: the same products, as rq_mult's clamps are far outside the
  * shifts an E2M1 value can take and keep a code). */
@@ -2276,6 +2260,13 @@ FM_DI void rq_rows_segment(const rqparams &p, const int *lut, uint32_t sg, const
                 for (int q = 0; q < 4; q++)
                     o[q] = fm_fp8x8_e2m1<TI, true>(w[2 * q], w[2 * q + 1], m3);
             }
+        } else if (X && TO != FM_DTYPE_E2M1 && p.rule != FM_REQUANT_MX_FLOOR && pv < 127 &&
+                   d - 6 >= (TO == FM_DTYPE_E4M3 ? -5 : -13)) {
+            /* The rule's exponent keeps every product within the format
+             * (unless clamped at 127, or under MX_FLOOR); d - 6 no lower
+             * than this keeps 0.5 2^(d - 6) normal. */
+            if constexpr (X && TO != FM_DTYPE_E2M1)
+                fm_e2m1x8_to_fp8<TO>(g.w, w, d - 6, o);
         } else {
             const float m = rq_mult(pw, pv);
 #pragma unroll
@@ -2305,7 +2296,7 @@ template <int TI, int TO, int BI, int BO>
 __global__ void __launch_bounds__(RQS_THREADS) rq_rows_kernel(const rqparams p)
 {
     static_assert((BI == 0) == (BO == 0), "the segment's place is loaded only when no block width is compiled in");
-    constexpr bool X = TI == FM_DTYPE_E2M1;      /* read as E4M3 codes (rq_e2m1_as_e4m3) */
+    constexpr bool X = TI == FM_DTYPE_E2M1;      /* read as E4M3 codes (fm_e2m1x8_as_e4m3) */
     constexpr int TC = X ? FM_DTYPE_E4M3 : TI;   /* the codes rq_rows_segment sees */
     constexpr int NW = X ? 4 : 8;                /* input words a segment */
     __shared__ uint4 xs[X || !RQS_XCHG ? 1 : RQS_THREADS / 32][64]; /* rq_rows_load's chunks, by warp */
@@ -2348,7 +2339,7 @@ __global__ void __launch_bounds__(RQS_THREADS) rq_rows_kernel(const rqparams p)
             uint32_t e[8];
 #pragma unroll
             for (int i = 0; i < 4; i++)
-                rq_e2m1_as_e4m3(g.w[i], &e[2 * i], &e[2 * i + 1]);
+                fm_e2m1x8_as_e4m3(g.w[i], &e[2 * i], &e[2 * i + 1]);
             rq_rows_segment<TC, TO, X, NW, BI, BO>(p, lut, base + lane, g, e);
         }
         if (!more)
@@ -2735,7 +2726,9 @@ static cudaError_t rq_rows_launch3(const rqparams &q, int64_t nseg, int sms, cud
      * (S16-2, S16-3) 1x128 out 3 / 4 / 5 / 6: 86.1 / 86.8 / 82.8 / 82.7% of
      * copy, MX32 out 4 / 5 / 8: 85.2 / 85.4 / 79.8%; H200 (S34-5) 1x128 out
      * 2 / 3 / 4 / 5 / 6 / 8: 116.8 / 106.8 / 102.0 / 105.7 / 108.1 / 117.3
-     * us, MX32 out 139.1 / 118.4 / 110.2 / 104.3 / 109.2 / 121.2 us. */
+     * us, MX32 out 139.1 / 118.4 / 110.2 / 104.3 / 109.2 / 121.2 us; with
+     * the table encoder (S37-6) 1x128 out 3 / 4 / 5 / 6 / 8: 105.5 / 100.5 /
+     * 104.8 / 107.6 / 107.4, MX32 out 112.7 / 104.8 / 101.4 / 110.5 / 110.7. */
     const int cap = q.bo == 32 ? 5 : 4;
     if (TI == FM_DTYPE_E2M1 && per > cap)
         per = cap;

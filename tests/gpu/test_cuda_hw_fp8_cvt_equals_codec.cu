@@ -9,6 +9,9 @@
  * a block holding it can have (|x| 2^k < 8), in both halves of the pair; and
  * the row conversions' FP8 -> E2M1 encoder (fm_fp8x8_e2m1) gives
  * fm_e2m1_from_f32 of the exact product for every code, place and shift; and
+ * the row conversions' E2M1 -> FP8 path (fm_e2m1x8_as_e4m3 and
+ * fm_e2m1x8_to_fp8) gives format.h's codes for every E2M1 code, place and
+ * shift; and
  * the POW2 quantize's packing of those sums (fm_e2m1_sums_row / _cols)
  * gives the same for every BF16 value and multiplier, in a random place of
  * a row and of a column pair; and
@@ -271,6 +274,56 @@ __global__ void fp8_e2m1_kernel(unsigned long long *bad, unsigned int *first)
         *first = i;
 }
 
+/* E2M1 words into FP8 (fm_e2m1x8_as_e4m3, then fm_e2m1x8_to_fp8: the row
+ * conversions out of MXFP4), for every E2M1 code in every one of the 32
+ * places of a segment's four words, with every d that keeps 0.5 2^d normal
+ * and the code's product within the format: the other places get codes no
+ * larger in magnitude, random signs, 16 segments a thread. Each byte of
+ * fm_e2m1x8_as_e4m3 must be the E4M3 code of the value times 2^-6, each of
+ * fm_e2m1x8_to_fp8 the FP8 code of the value times 2^d. Thread i: code =
+ * i mod 16, place = (i / 16) mod 32, then d + 13 (30 values), then the
+ * output dtype (2). */
+__global__ void e2m1_fp8_kernel(unsigned long long *bad, unsigned int *first)
+{
+    const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= 2u * 30u * 512u)
+        return;
+    const uint32_t code = i & 0xFu;
+    const int place = (int)((i >> 4) & 31u), d = (int)((i >> 9) % 30u) - 13;
+    const bool e5 = (i >> 9) / 30u != 0;
+    const float v = fm_e2m1_to_f32((uint8_t)code);
+    if (d < (e5 ? -13 : -5) || !(fabsf(v) * fm_exp2i(d) <= (e5 ? 57344.0f : 448.0f)))
+        return; /* no block of the row conversion holds it */
+    uint32_t h = code * 0x9E3779B1u + (uint32_t)(place * 977 + d * 131 + e5);
+    bool differs = false;
+    for (int rep = 0; rep < 16 && !differs; rep++) {
+        uint32_t w[4], e[8], o[8];
+        for (int k = 0; k < 4; k++) {
+            w[k] = 0;
+            for (int j = 0; j < 8; j++) {
+                h = h * 1664525u + 1013904223u;
+                const uint32_t mag = rep == 0 && k == 0 && j == 0 ? 0u : (h >> 8) % ((code & 7u) + 1u);
+                w[k] |= (mag | ((h >> 31) << 3)) << (4 * j);
+            }
+        }
+        w[place >> 3] = (w[place >> 3] & ~(0xFu << (4 * (place & 7)))) | (code << (4 * (place & 7)));
+        for (int k = 0; k < 4; k++)
+            fm_e2m1x8_as_e4m3(w[k], &e[2 * k], &e[2 * k + 1]);
+        if (e5)
+            fm_e2m1x8_to_fp8<FM_DTYPE_E5M2>(w, e, d, o);
+        else
+            fm_e2m1x8_to_fp8<FM_DTYPE_E4M3>(w, e, d, o);
+        for (int j = 0; j < 32; j++) {
+            const float x = fm_e2m1_to_f32((uint8_t)(w[j >> 3] >> (4 * (j & 7))));
+            const uint32_t eb = (e[j >> 2] >> (8 * (j & 3))) & 0xFFu, ob = (o[j >> 2] >> (8 * (j & 3))) & 0xFFu;
+            differs |= eb != fm_e4m3_from_f32(x * 0.015625f);
+            differs |= ob != (e5 ? fm_e5m2_from_f32(x * fm_exp2i(d)) : fm_e4m3_from_f32(x * fm_exp2i(d)));
+        }
+    }
+    if (differs && atomicAdd(bad, 1ull) == 0)
+        *first = i;
+}
+
 __global__ void dec_kernel(unsigned long long *bad)
 {
     const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -307,10 +360,10 @@ int main(void)
     fm_context *ctx = gt_cuda_context(name);
     unsigned long long *bad;
     unsigned int *first;
-    GT_CUDA(cudaMalloc(&bad, 16 * sizeof *bad));
-    GT_CUDA(cudaMalloc(&first, 16 * sizeof *first));
-    GT_CUDA(cudaMemset(bad, 0, 16 * sizeof *bad));
-    GT_CUDA(cudaMemset(first, 0, 16 * sizeof *first));
+    GT_CUDA(cudaMalloc(&bad, 17 * sizeof *bad));
+    GT_CUDA(cudaMalloc(&first, 17 * sizeof *first));
+    GT_CUDA(cudaMemset(bad, 0, 17 * sizeof *bad));
+    GT_CUDA(cudaMemset(first, 0, 17 * sizeof *first));
     enc_kernel<<<132 * 16, 256>>>(bad, first);
     GT_CUDA(cudaGetLastError());
     dec_kernel<<<256, 256>>>(bad + 9); /* after the NENC encoders' counts */
@@ -321,9 +374,11 @@ int main(void)
     GT_CUDA(cudaGetLastError());
     e2m1_sums_kernel<<<65536u * 254u / 256u, 256>>>(bad + 15, first + 15);
     GT_CUDA(cudaGetLastError());
+    e2m1_fp8_kernel<<<2u * 30u * 512u / 256u, 256>>>(bad + 16, first + 16);
+    GT_CUDA(cudaGetLastError());
     GT_CUDA(cudaDeviceSynchronize());
-    unsigned long long h[16];
-    unsigned int f[16];
+    unsigned long long h[17];
+    unsigned int f[17];
     GT_CUDA(cudaMemcpy(h, bad, sizeof h, cudaMemcpyDeviceToHost));
     GT_CUDA(cudaMemcpy(f, first, sizeof f, cudaMemcpyDeviceToHost));
     static const char *enc[NENC] = {"e4m3x2", "e5m2x2", "e2m1", "bf16x2", "f16x2", "e2m1x8 (grid + cvt)",
@@ -351,6 +406,10 @@ int main(void)
              h[15], f[15]);
     printf("  encode %-22s every BF16 x every POW2 multiplier, a row and a column pair: %llu mismatches\n",
            "bf16 sums -> e2m1", h[15]);
+    GT_CHECK(h[16] == 0, "e2m1x8 -> e4m3 / e5m2 (row conversions): %llu of 2 x 30 x 512 cases differ; first index %u",
+             h[16], f[16]);
+    printf("  encode %-22s every E2M1 code x place x shift, into E4M3 and E5M2: %llu mismatches\n", "e2m1x8 -> fp8",
+           h[16]);
     cudaFree(bad);
     cudaFree(first);
     fm_context_destroy(ctx);
