@@ -253,10 +253,11 @@ FM_DI fm_h2_shift3 fm_h2_shift3_of(int d)
  * at most 4 significant bits and the product is exact inside the FMA, so
  * its one rounding is the grid's RNE, ties to even included (1024 + 2j
  * keeps the parity), and the sum's low byte is the term. A pair of codes
- * takes one cvt, three FMAs and one three-way minimum (VHMNMX); the S27
- * form took the binade from the exponent bits, three integer instructions
- * a pair more: the row conversion 1x128 -> E2M1, trusted, 112.4 -> 109.0 us
- * (H200, S37-3). With CLAMP the minimum with 1031 (code 7) saturates as
+ * takes one cvt (of a word's lower or upper half: F2FP reads .H1 itself),
+ * three FMAs and one three-way minimum (VHMNMX); the S27 form took the
+ * binade from the exponent bits, three integer instructions a pair more:
+ * the row conversion 1x128 -> E2M1, trusted, 112.4 -> 109.0 us (H200,
+ * S37-3). With CLAMP the minimum with 1031 (code 7) saturates as
  * satfinite rounds (an overflow to Inf included); without, the caller knows
  * no product passes 6. The signs come from the codes' bit 7 by two
  * sign-replicating PRMTs, after the packing. The word must be one a block
@@ -270,12 +271,16 @@ FM_DI uint32_t fm_fp8x8_e2m1(uint32_t w0, uint32_t w1, fm_h2_shift3 m)
     uint32_t c[4];
 #pragma unroll
     for (int q = 0; q < 4; q++) {
-        const uint32_t two = ((q < 2 ? w0 : w1) >> (16 * (q & 1))) & 0xFFFFu;
+        const uint32_t wq = q < 2 ? w0 : w1;
         uint32_t h, s;
-        if (TI == FM_DTYPE_E4M3)
-            asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)two));
-        else
-            h = __byte_perm(two, 0u, 0x1404); /* an E5M2 code is the high byte of its F16 */
+        if (TI == FM_DTYPE_E4M3) {
+            if (q & 1)
+                asm("{ .reg .b16 l, u; mov.b32 {l, u}, %1; cvt.rn.f16x2.e4m3x2 %0, u; }" : "=r"(h) : "r"(wq));
+            else
+                asm("{ .reg .b16 l, u; mov.b32 {l, u}, %1; cvt.rn.f16x2.e4m3x2 %0, l; }" : "=r"(h) : "r"(wq));
+        } else {
+            h = __byte_perm(wq, 0u, q & 1 ? 0x3424 : 0x1404); /* an E5M2 code is the high byte of its F16 */
+        }
         asm("{ .reg .b32 a, x, y, z; abs.f16x2 a, %1;\n\t"
             "fma.rn.f16x2 x, a, %2, %5;\n\t"
             "fma.rn.f16x2 y, a, %3, %6;\n\t"
