@@ -296,8 +296,12 @@ FM_DI uint32_t fm_fp8x8_e2m1(uint32_t w0, uint32_t w1, fm_h2_shift3 m)
     uint32_t even, odd; /* byte j: 0xFF where element 2j (2j + 1) is negative */
     asm("prmt.b32 %0, %1, %2, 0xECA8;" : "=r"(even) : "r"(w0), "r"(w1));
     asm("prmt.b32 %0, %1, %2, 0xFDB9;" : "=r"(odd) : "r"(w0), "r"(w1));
-    const uint32_t sign = (even & 0x08080808u) | (odd & 0x80808080u);
-    return fm_e2m1_pairs_row(c) | sign;
+    /* r | (even & 0x08080808) | (odd & 0x80808080) as two LOP3s (a | b & c:
+     * 0xF8); written in C the compiler takes three */
+    uint32_t r = fm_e2m1_pairs_row(c);
+    asm("lop3.b32 %0, %1, %2, 0x08080808, 0xF8;" : "=r"(r) : "r"(r), "r"(even));
+    asm("lop3.b32 %0, %1, %2, 0x80808080, 0xF8;" : "=r"(r) : "r"(r), "r"(odd));
+    return r;
 }
 
 /* Eight E2M1 codes (one word) as the E4M3 codes of the same values times

@@ -2111,7 +2111,10 @@ static cudaError_t rq_tma_launch(const rqparams &p, int sms, cudaStream_t s)
  * one mask a word instead of two. With fm_fp8x8_e2m1 reading its odd pairs
  * from the cvt's upper half (no shift), MX32 -> E2M1 106.8-107.6 ->
  * 102.2-102.4 us, 1x128 -> E2M1 untrusted 111.4-111.6 -> 110.0-110.2 (H200,
- * S37-9). */
+ * S37-9). The multiply is in asm because the compiler rewrote a * 256 as
+ * (w * 256) & 0x7F7F7F00, a second mask a word after all; with it, and
+ * fm_fp8x8_e2m1's signs in two LOP3s, 12 fewer ALU instructions a segment:
+ * 1x128 -> E2M1 untrusted 108.4-108.5 -> 106.8-107.4 us, MX32 level (S38-3). */
 template <int NW>
 FM_DI int rq_max_mag(const uint32_t (&w)[NW])
 {
@@ -2120,7 +2123,10 @@ FM_DI int rq_max_mag(const uint32_t (&w)[NW])
     for (int i = 0; i < NW; i += 2) {
         const uint32_t a = w[i] & 0x7F7F7F7Fu, b = w[i + 1] & 0x7F7F7F7Fu;
         hi = __vimax3_u16x2(hi, a, b);
-        lo = __vimax3_u16x2(lo, a * 256u, b * 256u);
+        uint32_t a8, b8; /* in asm: as a * 256, the compiler masks the product again */
+        asm("mul.lo.u32 %0, %1, 256;" : "=r"(a8) : "r"(a));
+        asm("mul.lo.u32 %0, %1, 256;" : "=r"(b8) : "r"(b));
+        lo = __vimax3_u16x2(lo, a8, b8);
     }
     hi = __vmaxu2(hi, lo) >> 8;
     return (int)max(hi & 0xFFu, hi >> 16);
@@ -2149,22 +2155,25 @@ struct rqseg {
     uint32_t c;   /* first column (BI == 0 only) */
 };
 
-/* The codes of an FP8 input with compact MX32 scales (RQS_XCHG): lane l loads
+/* The codes of an FP8 input with compact scales (RQS_XCHG): lane l loads
  * 16-byte chunks l and 32 + l of its warp's 32 segments (1 KB, two
  * contiguous 512-byte requests), and rq_rows_kernel exchanges them through
  * shared memory so that each lane gets its own segment's two chunks. Each
- * lane loading its own 32 bytes used half of every 32-byte sector a
+ * lane loading its own 32 bytes uses half of every 32-byte sector a
  * request: MX32 -> E2M1 83.5% -> 84.4% of copy, 1 x 128 -> E2M1 (trusted)
- * 80.0% -> 82.3% (S17-1, H100); on the H200 MX32 -> E2M1 is 0.3-1 us
- * faster with it (S37-1 to S37-3). F32 input scales may have the
- * power-of-two check before the kernel, and the exchange's 8 KB of shared
- * memory a CTA keep the kernel's CTAs from starting on an SM while the
- * check's run there (the SM's shared memory split differs): there each
- * lane loads its own 32 bytes, 1x128 -> E2M1 untrusted 120.8 -> 114.9 us,
- * trusted level (H200, S37-1, S37-2; the check asking for the largest
- * shared-memory split instead, S37-2, gained 2.5 us there and cost the TMA
- * transpose after its check 30). */
-#define RQS_XCHG (BI == 32)
+ * 80.0% -> 82.3% with the exchange (S17-1, H100). S37 took it from the F32
+ * scales' input, level then (the loop was held by the integer ALU); with
+ * S37's encoder it counts again: 1x128 -> E2M1 trusted 107.8-108.7 ->
+ * 102.9-103.5 us, untrusted 109.6-110.5 -> 108.5-109.7 (H200, S38-1, S38-2).
+ * The untrusted call's 5 us over the trusted one is the check's latency:
+ * the check's and this kernel's shared-memory split set equal (carveout
+ * 43, 44 or 100 on both) changed nothing, fewer CTAs an SM beside the check
+ * (5 or 4 of 6) or fewer check CTAs (1 or 2 an SM of 4) were slower, 114 to
+ * 141 us (S38-2, S38-4). Also slower: the exchange by shuffles (chunk l ^ 1
+ * swapped with lane l ^ 1, two SELs a word, no shared memory), 1x128 trusted
+ * 114 us (S38-1), and 32 registers for 8 CTAs an SM (__launch_bounds__ 8),
+ * 102.6-103.2 -> 105.9-106.7 us (S38-5). */
+#define RQS_XCHG (BI != 0)
 template <int TI, int NW, int BI, int BO>
 FM_DI void rq_rows_load(const rqparams &p, uint32_t sg, rqseg<NW> &g)
 {
