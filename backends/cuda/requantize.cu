@@ -2155,39 +2155,29 @@ struct rqseg {
     uint32_t c;   /* first column (BI == 0 only) */
 };
 
-/* The codes of an FP8 input with compact scales (RQS_XCHG): lane l loads
- * 16-byte chunks l and 32 + l of its warp's 32 segments (1 KB, two
- * contiguous 512-byte requests), and rq_rows_kernel exchanges them through
- * shared memory so that each lane gets its own segment's two chunks. Each
- * lane loading its own 32 bytes uses half of every 32-byte sector a
- * request: MX32 -> E2M1 83.5% -> 84.4% of copy, 1 x 128 -> E2M1 (trusted)
- * 80.0% -> 82.3% with the exchange (S17-1, H100). S37 took it from the F32
- * scales' input, level then (the loop was held by the integer ALU); with
- * S37's encoder it counts again: 1x128 -> E2M1 trusted 107.8-108.7 ->
- * 102.9-103.5 us, untrusted 109.6-110.5 -> 108.5-109.7 (H200, S38-1, S38-2).
- * The untrusted call's 5 us over the trusted one is the check's latency:
- * the check's and this kernel's shared-memory split set equal (carveout
- * 43, 44 or 100 on both) changed nothing, fewer CTAs an SM beside the check
- * (5 or 4 of 6) or fewer check CTAs (1 or 2 an SM of 4) were slower, 114 to
- * 141 us (S38-2, S38-4). Also slower: the exchange by shuffles (chunk l ^ 1
- * swapped with lane l ^ 1, two SELs a word, no shared memory), 1x128 trusted
- * 114 us (S38-1), and 32 registers for 8 CTAs an SM (__launch_bounds__ 8),
- * 102.6-103.2 -> 105.9-106.7 us (S38-5). */
-#define RQS_XCHG (BI != 0)
+/* The codes of an FP8 input: lane l loads 16-byte chunks l and 32 + l of
+ * its warp's 32 segments (1 KB, two contiguous 512-byte requests), and
+ * rq_rows_kernel exchanges them through shared memory so that each lane
+ * gets its own segment's two chunks. Each lane loading its own 32 bytes
+ * uses half of every 32-byte sector a request: MX32 -> E2M1 83.5% -> 84.4%
+ * of copy, 1 x 128 -> E2M1 (trusted) 80.0% -> 82.3% with the exchange
+ * (S17-1, H100). S37 took it from the F32 scales' input, level then (the
+ * loop was held by the integer ALU); with S37's encoder it counts again:
+ * 1x128 -> E2M1 trusted 107.8-108.7 -> 102.9-103.5 us, untrusted
+ * 109.6-110.5 -> 108.5-109.7 (H200, S38-1, S38-2). The untrusted call's
+ * 5 us over the trusted one is the check's latency: the check's and this
+ * kernel's shared-memory split set equal (carveout 43, 44 or 100 on both)
+ * changed nothing, fewer CTAs an SM beside the check (5 or 4 of 6) or fewer
+ * check CTAs (1 or 2 an SM of 4) were slower, 114 to 141 us (S38-2, S38-4).
+ * Also slower: the exchange by shuffles (chunk l ^ 1 swapped with lane
+ * l ^ 1, two SELs a word, no shared memory), 1x128 trusted 114 us (S38-1),
+ * and 32 registers for 8 CTAs an SM (__launch_bounds__ 8), 102.6-103.2 ->
+ * 105.9-106.7 us (S38-5). */
 template <int TI, int NW, int BI, int BO>
 FM_DI void rq_rows_load(const rqparams &p, uint32_t sg, rqseg<NW> &g)
 {
     constexpr bool X = TI == FM_DTYPE_E2M1;
-    if (!X && !RQS_XCHG) { /* its own 32 bytes */
-        uint4 v0 = make_uint4(0u, 0u, 0u, 0u), v1 = v0;
-        if (sg < p.ntiles) {
-            const uint8_t *src = p.in + ((int64_t)sg << 5);
-            v0 = __ldcs((const uint4 *)src);
-            v1 = __ldcs((const uint4 *)(src + 16));
-        }
-        g.w[0] = v0.x, g.w[1] = v0.y, g.w[2] = v0.z, g.w[3] = v0.w;
-        g.w[4] = v1.x, g.w[5] = v1.y, g.w[6] = v1.z, g.w[7] = v1.w;
-    } else if (!X) { /* every lane: its chunks may belong to other lanes' segments */
+    if (!X) { /* every lane: its chunks may belong to other lanes' segments */
         const uint32_t wb = sg & ~31u, lane = sg & 31u;
         const uint8_t *src = p.in + ((int64_t)wb << 5) + 16 * lane;
         uint4 v0 = make_uint4(0u, 0u, 0u, 0u), v1 = v0;
@@ -2314,7 +2304,7 @@ __global__ void __launch_bounds__(RQS_THREADS) rq_rows_kernel(const rqparams p)
     constexpr bool X = TI == FM_DTYPE_E2M1;      /* read as E4M3 codes (fm_e2m1x8_as_e4m3) */
     constexpr int TC = X ? FM_DTYPE_E4M3 : TI;   /* the codes rq_rows_segment sees */
     constexpr int NW = X ? 4 : 8;                /* input words a segment */
-    __shared__ uint4 xs[X || !RQS_XCHG ? 1 : RQS_THREADS / 32][64]; /* rq_rows_load's chunks, by warp */
+    __shared__ uint4 xs[X ? 1 : RQS_THREADS / 32][64]; /* FP8 input: rq_rows_load's chunks, by warp */
     __shared__ int lut[128];
     for (int i = threadIdx.x; i < 128; i += RQS_THREADS)
         lut[i] = X ? rq_code_key<TI, TO>((i >> 2) & 7, p.rule) : rq_code_key<TI, TO>(i, p.rule);
@@ -2337,9 +2327,7 @@ __global__ void __launch_bounds__(RQS_THREADS) rq_rows_kernel(const rqparams p)
         const bool more = nb < p.ntiles && nb > base;
         if (more)
             rq_rows_load<TI, NW, BI, BO>(p, nb + lane, gn);
-        if constexpr (!X && !RQS_XCHG) {
-            rq_rows_segment<TC, TO, X, NW, BI, BO>(p, lut, base + lane, g, g.w);
-        } else if constexpr (!X) {
+        if constexpr (!X) {
             /* chunk j at slot j ^ (j / 8 % 2): no bank conflicts either way */
             uint4 *x = xs[threadIdx.x >> 5];
             x[lane ^ ((lane >> 3) & 1)] = make_uint4(g.w[0], g.w[1], g.w[2], g.w[3]);
