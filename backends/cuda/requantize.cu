@@ -54,8 +54,9 @@
  * for the device.
  *
  * The tile kernel below serves conversions and the transposes with an E2M1
- * side; FP8 -> FP8 transposes take rq_fp8t_kernel (further down), and
- * conversions between row-block modes the row-segment kernel.
+ * side; FP8 -> FP8 transposes take rq_fp8t_kernel (further down) or, where
+ * it fits, rq_fp8t_tma_kernel, and conversions between row-block modes the
+ * row-segment kernel.
  * GEMM-layout padding entries get 1.0 (E8M0 127) from a separate kernel.
  * BLOCK_128x128 -> BLOCK_128x128 is an exact transpose of codes and scale
  * grid (no check, no re-rounding, nonfinite count 0), as on the CPU. */
@@ -1452,11 +1453,15 @@ __global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqp
     asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
-/* ---- the plain FP8 -> FP8 1x128 transpose, fed by TMA ----------------------
- * rq_fp8t_kernel's arithmetic for the commonest call (E4M3 -> E4M3 or E5M2
+/* ---- the plain FP8 -> FP8 1x128 and MX32 transposes, fed by TMA -------------
+ * rq_fp8t_kernel's arithmetic for the commonest calls (E4M3 -> E4M3 or E5M2
  * -> E5M2, 1 x 128 F32 scales -> 128 x 1, TIGHT or ROWMAX, or -> 128 x 128
  * under ROWMAX, where the consumer warps agree on the tile's one non-finite
- * verdict at a named barrier; one matrix, a stack of experts, (G)
+ * verdict at a named barrier; (MX) MX32 -> MX32 under any rule, each lane's
+ * 8 rows in one 32 x 32 block of the tile, whose Q its 4 lanes find among
+ * themselves from the rows' E8M0 words: 226.4-227.4 -> 158.4-159.3 us
+ * against rq_fp8t_kernel, H200, [32768, 7168]; one matrix, a stack of
+ * experts, (G)
  * fm_transpose_scaled_grouped's groups of any size (a ragged group's last
  * tile masked, rqt_mask_rows), or fm_transpose_scaled_grouped_rows's token
  * rows, gathered: rqt_gather_rows),
@@ -1550,11 +1555,24 @@ FM_DI bool rqt_consumers_any(bool v)
     return r != 0u;
 }
 
-/* The lane's 8 row exponents into its own slot, for the exact paths. */
-FM_DI void rqt_put_pins(int *pins, const int pk[8])
+/* MX: the lane's rows' E8M0 bytes (pk) as exponents (RQ_NAN_ROW for a NaN
+ * scale), where a path needs them: the common one works on the bytes. */
+template <bool MX>
+FM_DI void rqt_pins(const int (&pk)[8], int (&pn)[8])
 {
-    *(int4 *)pins = make_int4(pk[0], pk[1], pk[2], pk[3]);
-    *(int4 *)(pins + 4) = make_int4(pk[4], pk[5], pk[6], pk[7]);
+#pragma unroll
+    for (int k = 0; k < 8; k++)
+        pn[k] = MX ? rq_pin((uint32_t)pk[k], 1) : pk[k];
+}
+
+/* The lane's 8 row exponents into its own slot, for the exact paths. */
+template <bool MX>
+FM_DI void rqt_put_pins(int *pins, const int (&pk)[8])
+{
+    int pn[8];
+    rqt_pins<MX>(pk, pn);
+    *(int4 *)pins = make_int4(pn[0], pn[1], pn[2], pn[3]);
+    *(int4 *)(pins + 4) = make_int4(pn[4], pn[5], pn[6], pn[7]);
 }
 
 /* A ragged group's last tile (rq_tile's R - r0 < 128): the TMA box holds
@@ -1601,6 +1619,62 @@ FM_DI void rqt_put8(uint8_t *o, uint2 v, int n, bool whole8)
     }
 }
 
+/* MX: the output scales of the lane's 8 columns' 32-row blocks (po, the
+ * lane's row group rg / 4), stored by lane rg < 8 for column rg (output
+ * row ro) as the 4 bytes of the tile's 4 row groups: one word at
+ * consecutive entries in either layout (fm_mx32_gemm_entry), kept in L2
+ * as the F32 scales are (rq_store_scale); single bytes where the tile's
+ * blocks are not a whole aligned word (a ragged group). Called by the
+ * whole warp. */
+FM_DI void rqt_put_mx_scales(const rqparams &p, const rqtile &tl, const int (&po)[8], int rg, int cg, int64_t ro)
+{
+    const int x = rg & 3;
+    int a = po[0], b = po[4];
+#pragma unroll
+    for (int j = 1; j < 4; j++) {
+        a = x == j ? po[j] : a;
+        b = x == j ? po[j + 4] : b;
+    }
+    /* the E8M0 codes of columns x and x + 4 of this lane's group */
+    const uint32_t ea = a == RQ_BADP ? 0xFFu : (uint32_t)(a + 127), eb = b == RQ_BADP ? 0xFFu : (uint32_t)(b + 127);
+    const uint32_t v = ea | (eb << 8);
+    uint32_t word = 0;
+#pragma unroll
+    for (int g = 0; g < 4; g++) {
+        const uint32_t o = __shfl_sync(0xFFFFFFFFu, v, ((4 * g + x) << 1) | (cg & 1));
+        word |= ((o >> (8 * ((rg >> 2) & 1))) & 0xFFu) << (8 * g);
+    }
+    if (rg >= 8 || ro >= p.Ro)
+        return;
+    const int64_t off = rq_scale_off(p.out_mode, p.out_layout, p.Ro, tl.Co, tl.nbo, p.bo_shift, tl.sout0, ro, tl.r0);
+    uint8_t *const dst = (uint8_t *)p.out_scale + off;
+    if (tl.r0 + RQT <= tl.Co && ((uintptr_t)dst & 3u) == 0) {
+        fm_st_keep<true, 4>(dst, word);
+        if (p.nonfinite) {
+            const int bad = __popc(__vcmpeq4(word, 0xFFFFFFFFu)) >> 3;
+            if (bad)
+                atomicAdd(p.nonfinite, (unsigned long long)bad);
+        }
+        return;
+    }
+#pragma unroll
+    for (int g = 0; g < 4; g++) {
+        const int e = (int)((word >> (8 * g)) & 0xFFu);
+        if (tl.r0 + 32 * g < tl.Co)
+            rq_put_scale(p, tl, ro, tl.r0 + 32 * g, e == 0xFF, e - 127);
+    }
+}
+
+/* Input scale entry `off`: an F32 scale, or (MX) the row's 4 E8M0
+ * exponents of the tile from that byte on, one word in either layout
+ * (rq_tma_fits). */
+template <bool MX>
+FM_DI uint32_t rqt_scale_word(const rqparams &p, int64_t off)
+{
+    return MX ? __ldg((const uint32_t *)((const uint8_t *)p.in_scale + off))
+              : __ldg((const uint32_t *)p.in_scale + off);
+}
+
 /* The producer's scale loads for tile t (0 past the matrix), issued an
  * iteration before the tile's stage is filled, so that their latency runs
  * while the producer waits for the stage: loaded in the iteration that used
@@ -1608,7 +1682,7 @@ FM_DI void rqt_put8(uint8_t *o, uint2 v, int n, bool whole8)
  * of their time (H200, S34-3: ncu's stall samples), and a tile ahead the
  * plain transpose ran 164.3-166.3 -> 156.9-158.5 us, the layer's grouped
  * call 178.6-179.4 -> 168.5-169.4 (S34-4, S34-5). */
-template <bool G>
+template <bool G, bool MX>
 FM_DI void rqt_scales(const rqparams &p, uint32_t t, uint32_t (&raw)[4])
 {
     const int lane = threadIdx.x & 31;
@@ -1616,8 +1690,8 @@ FM_DI void rqt_scales(const rqparams &p, uint32_t t, uint32_t (&raw)[4])
 #pragma unroll
     for (int k = 0; k < 4; k++) {
         const int64_t r = tl.r0 + lane + 32 * k;
-        raw[k] = r < tl.R ? __ldg((const uint32_t *)p.in_scale + rq_scale_off(p.in_mode, p.in_layout, p.R, p.C, p.nbi,
-                                                                               p.bi_shift, tl.sin0, tl.srow + r, tl.c0))
+        raw[k] = r < tl.R ? rqt_scale_word<MX>(p, rq_scale_off(p.in_mode, p.in_layout, p.R, p.C, p.nbi, p.bi_shift,
+                                                                  tl.sin0, tl.srow + r, tl.c0))
                           : 0u;
     }
 }
@@ -1638,6 +1712,7 @@ FM_DI void rqt_scales(const rqparams &p, uint32_t t, uint32_t (&raw)[4])
  * rqt_scales) measured 228-230 us against 213-214 (S34-4, S34-5); this
  * code itself measured 208-218 us over S34-6, S34-8 and S34-9, so a few us
  * between binaries are not a finding. */
+template <bool MX>
 FM_DI void rqt_gather_rows(const rqparams &p, const rqtile &tl, uint8_t *stage, uint32_t (&raw)[4])
 {
     const int lane = threadIdx.x & 31;
@@ -1650,8 +1725,9 @@ FM_DI void rqt_gather_rows(const rqparams &p, const rqtile &tl, uint8_t *stage, 
         if (r < tl.R) {
             const uint32_t m = (uint32_t)__ldg(p.rmap + tl.srow + r);
             tok[k] = m < p.nslots ? (int)fm_fastdiv_div(p.kdiv, m) : -1;
-            raw[k] = tok[k] < 0 ? 0x3F800000u
-                                : __ldg((const uint32_t *)p.in_scale + (int64_t)tok[k] * p.nbi + (tl.c0 >> 7));
+            /* padding: scale 1 (E8M0 127 in each of MX's 4 bytes) */
+            raw[k] = tok[k] < 0 ? (MX ? 0x7F7F7F7Fu : 0x3F800000u)
+                                : rqt_scale_word<MX>(p, (int64_t)tok[k] * p.nbi + (tl.c0 >> (MX ? 5 : 7)));
         }
     }
     const int ch = lane & 7;
@@ -1669,7 +1745,7 @@ FM_DI void rqt_gather_rows(const rqparams &p, const rqtile &tl, uint8_t *stage, 
     }
 }
 
-template <int T, bool G, int P, bool RAG>
+template <int T, bool G, int P, bool RAG, bool MX>
 __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __grid_constant__ CUtensorMap map,
                                                                      const rqparams p)
 {
@@ -1720,7 +1796,7 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
         uint32_t raw[4];
         uint64_t t = blockIdx.x + (uint64_t)pw * gridDim.x;
         if (!rows && t < p.ntiles)
-            rqt_scales<G>(p, (uint32_t)t, raw);
+            rqt_scales<G, MX>(p, (uint32_t)t, raw);
         for (; t < p.ntiles; t += step, i += P) {
             const int s = i % RQT_STAGES, ph = (i / RQT_STAGES) & 1;
             if (i >= RQT_STAGES && !drained) {
@@ -1737,29 +1813,38 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
             }
             const rqtile tl = rq_tile<G>(p, (uint32_t)t);
             if (rows) {
-                rqt_gather_rows(p, tl, codes + s * RQT * RQT, raw);
+                rqt_gather_rows<MX>(p, tl, codes + s * RQT * RQT, raw);
                 sm90_cp_async_arrive(&full[s]);
             } else if (lane == 0) {
                 sm90_bar_expect(&full[s], RQT * RQT);
                 sm90_tma_load_3d(codes + s * RQT * RQT, &map, &full[s], (int)tl.c0, (int)(tl.srow + tl.r0), (int)te);
             }
-            int hi = RQ_EMPTY, lo = -RQ_EMPTY;
+            if constexpr (MX) {
+                /* the rows' words as loaded: each consumer lane decodes its
+                 * 8 rows' exponents of its input block, and the 4 lanes of an
+                 * output block (32 rows) find their Q among themselves */
 #pragma unroll
-            for (int k = 0; k < 4; k++) {
-                const int pin = tl.r0 + lane + 32 * k < tl.R ? rq_pin(raw[k], 0) : RQ_EMPTY;
-                exps[s * RQT + lane + 32 * k] = pin;
-                if (rq_pin_valid(pin)) {
-                    hi = rq_max(hi, pin);
-                    lo = rq_min(lo, pin);
+                for (int k = 0; k < 4; k++)
+                    exps[s * RQT + lane + 32 * k] = (int)raw[k];
+            } else {
+                int hi = RQ_EMPTY, lo = -RQ_EMPTY;
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    const int pin = tl.r0 + lane + 32 * k < tl.R ? rq_pin(raw[k], 0) : RQ_EMPTY;
+                    exps[s * RQT + lane + 32 * k] = pin;
+                    if (rq_pin_valid(pin)) {
+                        hi = rq_max(hi, pin);
+                        lo = rq_min(lo, pin);
+                    }
                 }
+                hi = __reduce_max_sync(0xFFFFFFFFu, hi);
+                lo = __reduce_min_sync(0xFFFFFFFFu, lo);
+                if (lane == 0)
+                    qmin[s] = make_int2(hi, lo);
             }
-            hi = __reduce_max_sync(0xFFFFFFFFu, hi);
-            lo = __reduce_min_sync(0xFFFFFFFFu, lo);
-            if (lane == 0)
-                qmin[s] = make_int2(hi, lo);
             sm90_bar_arrive(&full[s]);
             if (!rows && t + step < p.ntiles)
-                rqt_scales<G>(p, (uint32_t)(t + step), raw);
+                rqt_scales<G, MX>(p, (uint32_t)(t + step), raw);
         }
         if (!drained)
             rqt_refused_drain<P>(p, full, pw, i);
@@ -1803,7 +1888,7 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
             const int4 a = *(const int4 *)&exps[s * RQT + 8 * rg], b = *(const int4 *)&exps[s * RQT + 8 * rg + 4];
             pk[0] = a.x, pk[1] = a.y, pk[2] = a.z, pk[3] = a.w, pk[4] = b.x, pk[5] = b.y, pk[6] = b.z, pk[7] = b.w;
         }
-        const int2 qm = qmin[s];
+        const int2 qm = MX ? make_int2(0, 0) : qmin[s];
         __syncwarp();
         if (lane == 0)
             sm90_bar_arrive(&empty[s]);
@@ -1827,14 +1912,50 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
                 rqt_mask_rows(col, tl.R - tl.r0 - 8 * rg);
         }
 
-        const int Q = qm.x == RQ_EMPTY ? 0 : qm.x;
+        /* Q: the largest valid input exponent of the tile, or (MX) of the
+         * lane's output block (its input block w / 2, its 32 rows: lane bits
+         * 1-2); qlo the smallest. MX keeps the rows' E8M0 bytes in pk (rqt_pins
+         * makes exponents of them where a rare path needs them) and finds
+         * both four bytes at a time: the decode took 12M of 97M warp
+         * instructions element by element (H200, ncu). A NaN byte weighs as
+         * nothing (as -127 for the maximum: a block of NaN rows is NaN
+         * whatever Q is), rows past the matrix as -127 (their word is 0):
+         * not above any row's, and their codes are zeros. Qf: Q as the
+         * factor table's reference (the bytes' bias kept). */
+        int Q, Qf, qlo;
+        if constexpr (MX) {
+            const uint32_t b = (uint32_t)(w >> 1), s2 = b | ((b + 4u) << 4);
+            const uint32_t e03 = __byte_perm(__byte_perm((uint32_t)pk[0], (uint32_t)pk[1], s2),
+                                             __byte_perm((uint32_t)pk[2], (uint32_t)pk[3], s2), 0x5410);
+            const uint32_t e47 = __byte_perm(__byte_perm((uint32_t)pk[4], (uint32_t)pk[5], s2),
+                                             __byte_perm((uint32_t)pk[6], (uint32_t)pk[7], s2), 0x5410);
+            uint32_t hi = __vmaxu4(e03 & ~__vcmpeq4(e03, 0xFFFFFFFFu), e47 & ~__vcmpeq4(e47, 0xFFFFFFFFu));
+            uint32_t lo = __vminu4(e03, e47);
+            hi = __vmaxu4(hi, hi >> 16);
+            lo = __vminu4(lo, lo >> 16);
+            hi = __vmaxu4(hi, hi >> 8);
+            lo = __vminu4(lo, lo >> 8);
+            uint32_t v = (hi & 0xFFu) | ((~lo & 0xFFu) << 8); /* both maxima in one word */
+            v = __vmaxu4(v, __shfl_xor_sync(0xFFFFFFFFu, v, 2));
+            v = __vmaxu4(v, __shfl_xor_sync(0xFFFFFFFFu, v, 4));
+            Qf = (int)(v & 0xFFu);
+            Q = Qf - 127;
+            qlo = (int)(~(v >> 8) & 0xFFu) - 127;
+#pragma unroll
+            for (int k = 0; k < 8; k++)
+                pk[k] = (int)(((k < 4 ? e03 : e47) >> (8 * (k & 3))) & 0xFFu);
+        } else {
+            Q = Qf = qm.x == RQ_EMPTY ? 0 : qm.x;
+            qlo = qm.y;
+        }
+
         /* s = h x 2^(p_in - Q), two rows a word: sv[j][q] holds rows 2 q, 2 q + 1 of column j */
         uint32_t sv[8][4];
         {
             uint32_t F[4];
 #pragma unroll
             for (int q = 0; q < 4; q++)
-                F[q] = rqf_factor(flut, pk[2 * q], Q) | (rqf_factor(flut, pk[2 * q + 1], Q) << 16);
+                F[q] = rqf_factor(flut, pk[2 * q], Qf) | (rqf_factor(flut, pk[2 * q + 1], Qf) << 16);
 #pragma unroll
             for (int j = 0; j < 8; j++)
 #pragma unroll
@@ -1849,7 +1970,13 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
         int po[8];
         bool fail = false;
         if (rowmax) {
-            uint32_t nfb = rqf_nonfinite_cols<T>(col, pk, true);
+            uint32_t nfb;
+            if constexpr (MX) {
+                int pn[8];
+                rqt_pins<MX>(pk, pn);
+                nfb = rqf_nonfinite_cols<T>(col, pn, false);
+            } else
+                nfb = rqf_nonfinite_cols<T>(col, pk, true);
             const int pq = Q < -127 ? -127 : Q > 127 ? 127 : Q; /* a tile of no finite row is all NaN */
             /* one 128 x 128 block a tile: non-finite as a whole when any
              * stored column is. The columns past the matrix need no mask:
@@ -1872,18 +1999,23 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
                                      v[3] & 0x7FFF7FFFu);
                 }
                 kp[i2] = rqf_block_max<true>(__vmaxu2(__byte_perm(mx[0], mx[1], 0x5410), __byte_perm(mx[0], mx[1], 0x7632)),
-                                             true);
+                                             !MX);
             }
             /* Common case, without branches: every K exact and normal, none non-finite. */
             const uint32_t kmin = __vminu2(__vminu2(kp[0], kp[1]), __vminu2(kp[2], kp[3]));
             const uint32_t kmax = __vmaxu2(__vmaxu2(kp[0], kp[1]), __vmaxu2(kp[2], kp[3]));
             const bool plain = rq_min((int)(kmin & 0xFFFFu), (int)(kmin >> 16)) >= (int)rqt_fmt<T>::kfast &&
                                rq_max((int)(kmax & 0xFFFFu), (int)(kmax >> 16)) < 0x7C00;
+            /* K's exponent field less kbias is floor(log2 K) - emax: the MX
+             * floor rule; rounded up past 1.75 (E4M3 448, E5M2 57344) the
+             * power-of-two rule */
+            const bool floor_rule = MX && p.rule == FM_REQUANT_MX_FLOOR;
+            const int kadd = floor_rule ? 0 : 0xFF;
             if (plain) {
 #pragma unroll
                 for (int j = 0; j < 8; j++) {
                     const int K = (int)((kp[j >> 1] >> (16 * (j & 1))) & 0xFFFFu);
-                    po[j] = min(max(Q - rqt_fmt<T>::kbias + ((K + 0xFF) >> 10), -127), 127);
+                    po[j] = min(max(Q - rqt_fmt<T>::kbias + ((K + kadd) >> 10), -127), 127);
                 }
             } else
 #pragma unroll
@@ -1893,9 +2025,11 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
                 if (K >= 0x7C00u)
                     key = RQ_BADP;
                 else if (K >= rqt_fmt<T>::kfast)
-                    key = Q + (int)((K + 0xFFu) >> 10) - rqt_fmt<T>::kbias;
-                else if (K >= rqf_thr<T>::v)
-                    key = fm_pow2_scale_exp(__half2float(__ushort_as_half((unsigned short)K)), (fm_dtype)T) + Q;
+                    key = Q + (((int)K + kadd) >> 10) - rqt_fmt<T>::kbias;
+                else if (K >= rqf_thr<T>::v) {
+                    const float a = __half2float(__ushort_as_half((unsigned short)K));
+                    key = (floor_rule ? fm_mx_floor_scale_exp(a, (fm_dtype)T) : fm_pow2_scale_exp(a, (fm_dtype)T)) + Q;
+                }
                 else {
                     key = RQF_FAIL;
                     fail = true;
@@ -1906,11 +2040,11 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
         const bool slow_keys = __any_sync(0xFFFFFFFFu, fail);
         if (slow_keys) {
             /* The CPU's keys, element by element, for the blocks K could not settle (warp-wide reductions). */
-            rqt_put_pins(slow_pin[w][lane], pk);
+            rqt_put_pins<MX>(slow_pin[w][lane], pk);
 #pragma unroll
             for (int j = 0; j < 8; j++) {
                 const int ck = (int)rqf_block_max<false>(
-                    (uint32_t)rqf_exact_key<T, T>(col[j][0], col[j][1], slow_pin[w][lane], p.rule), true);
+                    (uint32_t)rqf_exact_key<T, T>(col[j][0], col[j][1], slow_pin[w][lane], p.rule), !MX);
                 if (po[j] == RQF_FAIL)
                     po[j] = rq_block_exp(ck);
             }
@@ -1919,8 +2053,11 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
         if (!RAG)
             tl = rq_tile<G>(p, t);
         /* one lane a column stores its scale: lane rg < 8 has column rg (a
-         * 128 x 128 block's one scale: the first lane, column 0) */
-        {
+         * 128 x 128 block's one scale: the first lane, column 0; MX: the
+         * column's 4 blocks of the tile) */
+        if constexpr (MX)
+            rqt_put_mx_scales(p, tl, po, rg, cg, tl.c0 + cl + rg);
+        else {
             int pv = po[0];
 #pragma unroll
             for (int j = 1; j < 8; j++)
@@ -1931,7 +2068,7 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
         }
 
         /* 2. codes: enc(s x 2^(Q - p_out)), or the exact path (see the top comment) */
-        const int dmax = qm.y >= Q - rqt_fmt<T>::exact_rows ? 15 : T == FM_DTYPE_E4M3 ? 6 : -1;
+        const int dmax = qlo >= Q - rqt_fmt<T>::exact_rows ? 15 : T == FM_DTYPE_E4M3 ? 6 : -1;
         bool fast = true;
 #pragma unroll
         for (int j = 0; j < 8; j++) {
@@ -1955,7 +2092,7 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
             continue;
         }
         if (!slow_keys)
-            rqt_put_pins(slow_pin[w][lane], pk);
+            rqt_put_pins<MX>(slow_pin[w][lane], pk);
 #pragma unroll
         for (int j = 0; j < 8; j++, o += tl.Co) {
             const int d = Q - po[j];
@@ -1974,7 +2111,8 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
 
 /* Whether rq_fp8t_tma_kernel may take the call (host; the dtypes are the
  * caller's): a plain FP8 1x128 -> 128x1 transpose with F32 scales (or ->
- * 128x128 under ROWMAX), rows of whole 16-byte pieces for TMA, compute
+ * 128x128 under ROWMAX) or MX32 -> MX32 (whole 128-column tiles), rows of
+ * whole 16-byte pieces for TMA, compute
  * capability 9.0 and the driver's tensor-map encoder; plain, rows of 8-byte
  * output pieces; grouped, any groups (a ragged group's last tile masks the
  * rows past it, rqt_mask_rows, and stores what its rows' alignment allows,
@@ -1989,9 +2127,17 @@ static int rq_tma_fits(const rqparams &p, const cudaDeviceProp &prop, int same_d
         knob = v && v[0] == '0' ? 0 : v && v[0] == '1' ? 1 : 2;
     }
     const int newer = grouped && (p.rmap != NULL || p.rows_first); /* the rows' transpose, ragged groups */
-    return knob && same_dtype && tr && (!newer || knob == 2) && p.in_mode == FM_SCALE_BLOCK_1x128 &&
-           (p.out_mode == FM_SCALE_BLOCK_1x128 || (p.tile && p.rule == FM_REQUANT_ROWMAX)) && !p.in_e8 &&
-           !p.out_e8 && (p.rule == FM_REQUANT_TIGHT || p.rule == FM_REQUANT_ROWMAX) && p.C % 16 == 0 &&
+    const int f32 = p.in_mode == FM_SCALE_BLOCK_1x128 &&
+                    (p.out_mode == FM_SCALE_BLOCK_1x128 || (p.tile && p.rule == FM_REQUANT_ROWMAX)) && !p.in_e8 &&
+                    !p.out_e8 && (p.rule == FM_REQUANT_TIGHT || p.rule == FM_REQUANT_ROWMAX);
+    /* MX32 -> MX32 under any rule, FP8 (not E2M1, which would also take
+     * p.cols_first's tile order in the tile kernel: 435 -> 444 us, H200):
+     * a row's 4 exponents of a tile are one aligned word (whole 128-column
+     * tiles; the scale arrays word aligned) */
+    const int mx = p.in_mode == FM_SCALE_MX32 && p.out_mode == FM_SCALE_MX32 && p.in_e8 && p.out_e8 &&
+                   !p.in_half && p.C % RQT == 0 && (uintptr_t)p.in_scale % 4 == 0 &&
+                   (uintptr_t)p.out_scale % 4 == 0;
+    return knob && same_dtype && tr && (!newer || knob == 2) && (f32 || mx) && p.C % 16 == 0 &&
            (uintptr_t)p.in % 16 == 0 && (grouped || (p.R % 8 == 0 && (uintptr_t)p.out % 8 == 0)) &&
            prop.major == 9 && prop.minor == 0 && sm90_tensor_map_encoder() != NULL;
 }
@@ -2027,20 +2173,20 @@ static int rq_tma_producers(void)
 }
 
 /* The TMA kernel on a grid of the CTAs that fit at once. */
-template <int T, bool G, int P, bool RAG>
+template <int T, bool G, int P, bool RAG, bool MX>
 static cudaError_t rq_tma_launch_p(const CUtensorMap &map, const rqparams &p, int sms, cudaStream_t s)
 {
     static int attr = 0, cache = 0;
     cudaError_t err;
     if (!__atomic_load_n(&attr, __ATOMIC_RELAXED)) {
-        err = cudaFuncSetAttribute(rq_fp8t_tma_kernel<T, G, P, RAG>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        err = cudaFuncSetAttribute(rq_fp8t_tma_kernel<T, G, P, RAG, MX>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    RQT_DYN_SMEM);
         if (err != cudaSuccess)
             return err;
         __atomic_store_n(&attr, 1, __ATOMIC_RELAXED);
     }
     int per = 0;
-    if ((err = rq_ctas_per_sm(rq_fp8t_tma_kernel<T, G, P, RAG>, RQT_THREADS(P), RQT_DYN_SMEM, &cache, &per)) !=
+    if ((err = rq_ctas_per_sm(rq_fp8t_tma_kernel<T, G, P, RAG, MX>, RQT_THREADS(P), RQT_DYN_SMEM, &cache, &per)) !=
         cudaSuccess)
         return err;
     int64_t g = (int64_t)(per > 0 ? per : 1) * (sms > 0 ? sms : 1);
@@ -2051,13 +2197,13 @@ static cudaError_t rq_tma_launch_p(const CUtensorMap &map, const rqparams &p, in
      * rq_fp8t_kernel took them in 274, S35-3), the untrusted grouped call
      * 166.1-168.5 against 172.3-173.2 (S35-9); one producer, the plain
      * call, is 5 us faster beside it. */
-    return fm_launch(rq_fp8t_tma_kernel<T, G, P, RAG>, (unsigned)g, RQT_THREADS(P), RQT_DYN_SMEM, s,
+    return fm_launch(rq_fp8t_tma_kernel<T, G, P, RAG, MX>, (unsigned)g, RQT_THREADS(P), RQT_DYN_SMEM, s,
                      RAG || P == 2 ? 0 : p.pdl, map, p);
 }
 
 /* The TMA kernel; cudaErrorNotSupported when the tensor map cannot be made
  * (the caller then runs rq_fp8t_kernel). */
-template <int T, bool G>
+template <int T, bool G, bool MX>
 static cudaError_t rq_tma_launch(const rqparams &p, int sms, cudaStream_t s)
 {
     const int64_t E = G ? 1 : (int64_t)p.ntiles / ((int64_t)p.ntr.d * p.ntc.d);
@@ -2074,11 +2220,11 @@ static cudaError_t rq_tma_launch(const rqparams &p, int sms, cudaStream_t s)
         return cudaErrorNotSupported;
     if constexpr (G) {
         if (p.tma_rag)
-            return rq_tma_launch_p<T, G, 1, true>(map, p, sms, s);
+            return rq_tma_launch_p<T, G, 1, true, MX>(map, p, sms, s);
         if (rq_tma_producers() == 2)
-            return rq_tma_launch_p<T, G, 2, false>(map, p, sms, s);
+            return rq_tma_launch_p<T, G, 2, false, MX>(map, p, sms, s);
     }
-    return rq_tma_launch_p<T, G, 1, false>(map, p, sms, s);
+    return rq_tma_launch_p<T, G, 1, false, MX>(map, p, sms, s);
 }
 
 /* ---- row-wise conversions: a thread per 32-element row segment ------------
@@ -2622,7 +2768,7 @@ static cudaError_t rq_launch3(const rqparams &p, int sms, cudaStream_t s)
     cudaError_t err;
     if constexpr (F && TI == TO) {
         if (p.tma) {
-            err = rq_tma_launch<TI, G>(p, sms, s);
+            err = p.in_e8 ? rq_tma_launch<TI, G, true>(p, sms, s) : rq_tma_launch<TI, G, false>(p, sms, s);
             if (err != cudaErrorNotSupported)
                 return err;
         }
