@@ -279,6 +279,8 @@ static const bcase cases[] = {
     {"transpose_scaled_grouped_rows E4M3 1x128 row -> 128x128 col (ROWMAX), 8 experts x 4096 of 4096 token rows, trusted POW2 scales (fp8-flow's x)", OP_TRANSPOSE_ROWS, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128, 1, 0},
     {"transpose_scaled_grouped E4M3 1x128 row->col, 8 ragged experts (not multiples of 16)", OP_TRANSPOSE_GROUPED, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 0, 0},
     {"transpose_scaled E4M3 MX32 row->col", OP_TRANSPOSE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_MX32, 0, 0},
+    {"transpose_scaled E4M3 MX32 row->col, GEMM-layout output scales", OP_TRANSPOSE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_MX32, 0, 1},
+    {"transpose_scaled_grouped E4M3 MX32 row->col, 8 experts of 128-row multiples", OP_TRANSPOSE_GROUPED128, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_MX32, 0, 0},
     /* No arithmetic (codes copied, the scale grid transposed): what the transposed access
      * pattern itself costs, the ceiling for the rows above. */
     {"transpose_scaled E4M3 128x128 row->col (bytes only)", OP_TRANSPOSE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128, 1, 0},
@@ -288,6 +290,8 @@ static const bcase cases[] = {
      * there is nothing to check. */
     {"convert_scaled E4M3 1x128 -> E2M1 MX32", OP_CONVERT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0.85, FM_DTYPE_E2M1, FM_SCALE_MX32, 0, 0},
     {"convert_scaled E4M3 1x128 -> E2M1 MX32, trusted POW2 scales", OP_CONVERT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0, FM_DTYPE_E2M1, FM_SCALE_MX32, 1, 0},
+    /* FP8 -> FP8 between block modes: the same row kernel, an FP8 encoder */
+    {"convert_scaled E4M3 1x128 -> E4M3 MX32", OP_CONVERT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0, FM_DTYPE_E4M3, FM_SCALE_MX32, 0, 0},
     {"convert_scaled E4M3 MX32 -> E2M1 MX32", OP_CONVERT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0.85, FM_DTYPE_E2M1, FM_SCALE_MX32, 0, 0},
     {"convert_scaled E2M1 MX32 -> E4M3 1x128", OP_CONVERT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E2M1, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0.85, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, 0, 0},
     {"convert_scaled E2M1 MX32 -> E4M3 MX32", OP_CONVERT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E2M1, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0.85, FM_DTYPE_E4M3, FM_SCALE_MX32, 0, 0},
