@@ -1504,7 +1504,8 @@ __global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqp
  * loads a tile ahead, itself waiting on them (H200, S34-8). */
 #define RQT_THREADS(P) (32 * (RQT_CONSUMERS + (P)))
 /* Codes (1024-byte aligned stages, 1 KiB of slack to align the base), then
- * per stage the 128 row exponents and the tile's (Q, smallest exponent). */
+ * per stage the 128 row exponents (MX: the rows' E8M0 words) and the tile's
+ * (Q, smallest exponent; not used by MX). */
 #define RQT_DYN_SMEM (1024 + RQT_STAGES * (RQT * RQT + RQT * 4 + 8))
 
 template <int T>
@@ -1820,8 +1821,8 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
                 sm90_tma_load_3d(codes + s * RQT * RQT, &map, &full[s], (int)tl.c0, (int)(tl.srow + tl.r0), (int)te);
             }
             if constexpr (MX) {
-                /* the rows' words as loaded: each consumer lane decodes its
-                 * 8 rows' exponents of its input block, and the 4 lanes of an
+                /* the rows' words as loaded: each consumer lane takes its
+                 * 8 rows' bytes of its input block, and the 4 lanes of an
                  * output block (32 rows) find their Q among themselves */
 #pragma unroll
                 for (int k = 0; k < 4; k++)
