@@ -1642,7 +1642,7 @@ FM_DI void rqt_put_mx_scales(const rqparams &p, const rqtile &tl, const int (&po
     uint32_t word = 0;
 #pragma unroll
     for (int g = 0; g < 4; g++) {
-        const uint32_t o = __shfl_sync(0xFFFFFFFFu, v, ((4 * g + x) << 1) | (cg & 1));
+        const uint32_t o = __shfl_sync(0xFFFFFFFFu, v, ((4 * g + x) << 1) | cg);
         word |= ((o >> (8 * ((rg >> 2) & 1))) & 0xFFu) << (8 * g);
     }
     if (rg >= 8 || ro >= p.Ro)
@@ -1936,12 +1936,11 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
             lo = __vminu4(lo, lo >> 16);
             hi = __vmaxu4(hi, hi >> 8);
             lo = __vminu4(lo, lo >> 8);
-            uint32_t v = (hi & 0xFFu) | ((~lo & 0xFFu) << 8); /* both maxima in one word */
-            v = __vmaxu4(v, __shfl_xor_sync(0xFFFFFFFFu, v, 2));
-            v = __vmaxu4(v, __shfl_xor_sync(0xFFFFFFFFu, v, 4));
+            /* both maxima as one pair, over the block's 4 lanes */
+            const uint32_t v = rqf_block_max<true>((hi & 0xFFu) | ((~lo & 0xFFu) << 16), false);
             Qf = (int)(v & 0xFFu);
             Q = Qf - 127;
-            qlo = (int)(~(v >> 8) & 0xFFu) - 127;
+            qlo = (int)(~(v >> 16) & 0xFFu) - 127;
 #pragma unroll
             for (int k = 0; k < 8; k++)
                 pk[k] = (int)(((k < 4 ? e03 : e47) >> (8 * (k & 3))) & 0xFFu);
