@@ -242,6 +242,43 @@ FM_DI fm_h2_shift3 fm_h2_shift3_of(int d)
     return m;
 }
 
+/* fm_fp8x8_e2m1's two parts (below): a pair of exact half-precision values
+ * h (elements 2q, 2q + 1) times 2^d -> their magnitude codes, each in the
+ * low byte of its half (1024 + code) ... */
+template <bool CLAMP>
+FM_DI uint32_t fm_h2_e2m1_mag(uint32_t h, fm_h2_shift3 m)
+{
+    uint32_t s;
+    asm("{ .reg .b32 a, x, y, z; abs.f16x2 a, %1;\n\t"
+        "fma.rn.f16x2 x, a, %2, %5;\n\t"
+        "fma.rn.f16x2 y, a, %3, %6;\n\t"
+        "fma.rn.f16x2 z, a, %4, %7;\n\t"
+        "min.f16x2 x, x, y;\n\t"
+        "min.f16x2 %0, x, z; }"
+        : "=r"(s)
+        : "r"(h), "r"(m.up), "r"(m.at), "r"(m.down), "r"(0x64006400u), "r"(0x64026402u), "r"(0x64046404u));
+    if (CLAMP)
+        asm("min.f16x2 %0, %1, %2;" : "=r"(s) : "r"(s), "r"(0x64076407u)); /* 1024 + 7 */
+    return s;
+}
+
+/* ... and the eight codes of four pairs c[q] (elements 2q, 2q + 1), with
+ * the signs of w0 and w1's bytes' bit 7 (byte i = element i), as FP8 codes
+ * have them. The MXFP4 transpose calls the two with each row's values
+ * already multiplied by their row's own power of two (exactly). */
+FM_DI uint32_t fm_e2m1_signed_row(const uint32_t (&c)[4], uint32_t w0, uint32_t w1)
+{
+    uint32_t even, odd; /* byte j: 0xFF where element 2j (2j + 1) is negative */
+    asm("prmt.b32 %0, %1, %2, 0xECA8;" : "=r"(even) : "r"(w0), "r"(w1));
+    asm("prmt.b32 %0, %1, %2, 0xFDB9;" : "=r"(odd) : "r"(w0), "r"(w1));
+    /* r | (even & 0x08080808) | (odd & 0x80808080) as two LOP3s (a | b & c:
+     * 0xF8); written in C the compiler takes three */
+    uint32_t r = fm_e2m1_pairs_row(c);
+    asm("lop3.b32 %0, %1, %2, 0x08080808, 0xF8;" : "=r"(r) : "r"(r), "r"(even));
+    asm("lop3.b32 %0, %1, %2, 0x80808080, 0xF8;" : "=r"(r) : "r"(r), "r"(odd));
+    return r;
+}
+
 /* Eight FP8 codes of dtype TI (two words, byte i = element i) times 2^d ->
  * eight E2M1 codes, element i in bits 4i..4i+3, equal to fm_e2m1_from_f32
  * of the exact product, for d in [-23, 14] (m = fm_h2_shift3_of(d): its
@@ -272,7 +309,7 @@ FM_DI uint32_t fm_fp8x8_e2m1(uint32_t w0, uint32_t w1, fm_h2_shift3 m)
 #pragma unroll
     for (int q = 0; q < 4; q++) {
         const uint32_t wq = q < 2 ? w0 : w1;
-        uint32_t h, s;
+        uint32_t h;
         if (TI == FM_DTYPE_E4M3) {
             if (q & 1)
                 asm("{ .reg .b16 l, u; mov.b32 {l, u}, %1; cvt.rn.f16x2.e4m3x2 %0, u; }" : "=r"(h) : "r"(wq));
@@ -281,27 +318,23 @@ FM_DI uint32_t fm_fp8x8_e2m1(uint32_t w0, uint32_t w1, fm_h2_shift3 m)
         } else {
             h = __byte_perm(wq, 0u, q & 1 ? 0x3424 : 0x1404); /* an E5M2 code is the high byte of its F16 */
         }
-        asm("{ .reg .b32 a, x, y, z; abs.f16x2 a, %1;\n\t"
-            "fma.rn.f16x2 x, a, %2, %5;\n\t"
-            "fma.rn.f16x2 y, a, %3, %6;\n\t"
-            "fma.rn.f16x2 z, a, %4, %7;\n\t"
-            "min.f16x2 x, x, y;\n\t"
-            "min.f16x2 %0, x, z; }"
-            : "=r"(s)
-            : "r"(h), "r"(m.up), "r"(m.at), "r"(m.down), "r"(0x64006400u), "r"(0x64026402u), "r"(0x64046404u));
-        if (CLAMP)
-            asm("min.f16x2 %0, %1, %2;" : "=r"(s) : "r"(s), "r"(0x64076407u)); /* 1024 + 7 */
-        c[q] = s;
+        c[q] = fm_h2_e2m1_mag<CLAMP>(h, m);
     }
-    uint32_t even, odd; /* byte j: 0xFF where element 2j (2j + 1) is negative */
-    asm("prmt.b32 %0, %1, %2, 0xECA8;" : "=r"(even) : "r"(w0), "r"(w1));
-    asm("prmt.b32 %0, %1, %2, 0xFDB9;" : "=r"(odd) : "r"(w0), "r"(w1));
-    /* r | (even & 0x08080808) | (odd & 0x80808080) as two LOP3s (a | b & c:
-     * 0xF8); written in C the compiler takes three */
-    uint32_t r = fm_e2m1_pairs_row(c);
-    asm("lop3.b32 %0, %1, %2, 0x08080808, 0xF8;" : "=r"(r) : "r"(r), "r"(even));
-    asm("lop3.b32 %0, %1, %2, 0x80808080, 0xF8;" : "=r"(r) : "r"(r), "r"(odd));
-    return r;
+    return fm_e2m1_signed_row(c, w0, w1);
+}
+
+/* fm_e2m1x8_as_e4m3's bytes (below) in another order, byte i of `even`
+ * element 2i, of `odd` element 2i + 1: a magnitude code m is the byte
+ * m << 2, so each word takes two shifts of the codes and one LOP3 (the
+ * MXFP4 transpose reads its transposed bytes so: a byte's two codes are
+ * neighbouring columns of one row). Built into fm_e2m1x8_as_e4m3 by two
+ * PRMTs, the row conversion E2M1 MX32 -> E4M3 MX32 ran 101.7 -> 115.3 us
+ * (H200, S40-4), so that one keeps its own form; the codec test checks
+ * both for every code in every place. */
+FM_DI void fm_e2m1x8_as_e4m3_split(uint32_t w, uint32_t *even, uint32_t *odd)
+{
+    *even = ((w << 2) & 0x1C1C1C1Cu) | ((w << 4) & 0x80808080u);
+    *odd = ((w >> 2) & 0x1C1C1C1Cu) | (w & 0x80808080u);
 }
 
 /* Eight E2M1 codes (one word) as the E4M3 codes of the same values times

@@ -279,8 +279,9 @@ __global__ void fp8_e2m1_kernel(unsigned long long *bad, unsigned int *first)
  * places of a segment's four words, with every d that keeps 0.5 2^d normal
  * and the code's product within the format: the other places get codes no
  * larger in magnitude, random signs, 16 segments a thread. Each byte of
- * fm_e2m1x8_as_e4m3 must be the E4M3 code of the value times 2^-6, each of
- * fm_e2m1x8_to_fp8 the FP8 code of the value times 2^d. Thread i: code =
+ * fm_e2m1x8_as_e4m3 and of fm_e2m1x8_as_e4m3_split (the MXFP4 transpose's
+ * form: even elements, then odd ones) must be the E4M3 code of the value
+ * times 2^-6, each of fm_e2m1x8_to_fp8 the FP8 code of the value times 2^d. Thread i: code =
  * i mod 16, place = (i / 16) mod 32, then d + 13 (30 values), then the
  * output dtype (2). */
 __global__ void e2m1_fp8_kernel(unsigned long long *bad, unsigned int *first)
@@ -297,7 +298,7 @@ __global__ void e2m1_fp8_kernel(unsigned long long *bad, unsigned int *first)
     uint32_t h = code * 0x9E3779B1u + (uint32_t)(place * 977 + d * 131 + e5);
     bool differs = false;
     for (int rep = 0; rep < 16 && !differs; rep++) {
-        uint32_t w[4], e[8], o[8];
+        uint32_t w[4], e[8], o[8], sp[8];
         for (int k = 0; k < 4; k++) {
             w[k] = 0;
             for (int j = 0; j < 8; j++) {
@@ -307,8 +308,10 @@ __global__ void e2m1_fp8_kernel(unsigned long long *bad, unsigned int *first)
             }
         }
         w[place >> 3] = (w[place >> 3] & ~(0xFu << (4 * (place & 7)))) | (code << (4 * (place & 7)));
-        for (int k = 0; k < 4; k++)
+        for (int k = 0; k < 4; k++) {
             fm_e2m1x8_as_e4m3(w[k], &e[2 * k], &e[2 * k + 1]);
+            fm_e2m1x8_as_e4m3_split(w[k], &sp[2 * k], &sp[2 * k + 1]);
+        }
         if (e5)
             fm_e2m1x8_to_fp8<FM_DTYPE_E5M2>(w, e, d, o);
         else
@@ -316,7 +319,10 @@ __global__ void e2m1_fp8_kernel(unsigned long long *bad, unsigned int *first)
         for (int j = 0; j < 32; j++) {
             const float x = fm_e2m1_to_f32((uint8_t)(w[j >> 3] >> (4 * (j & 7))));
             const uint32_t eb = (e[j >> 2] >> (8 * (j & 3))) & 0xFFu, ob = (o[j >> 2] >> (8 * (j & 3))) & 0xFFu;
+            const int p = j & 7; /* element p of word j / 8: split word p % 2, byte p / 2 */
+            const uint32_t sb = (sp[2 * (j >> 3) + (p & 1)] >> (8 * (p >> 1))) & 0xFFu;
             differs |= eb != fm_e4m3_from_f32(x * 0.015625f);
+            differs |= sb != fm_e4m3_from_f32(x * 0.015625f);
             differs |= ob != (e5 ? fm_e5m2_from_f32(x * fm_exp2i(d)) : fm_e4m3_from_f32(x * fm_exp2i(d)));
         }
     }
