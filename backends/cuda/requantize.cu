@@ -55,7 +55,8 @@
  *
  * The tile kernel below serves conversions and the transposes with an E2M1
  * side; FP8 -> FP8 transposes take rq_fp8t_kernel (further down) or, where
- * it fits, rq_fp8t_tma_kernel, and conversions between row-block modes the
+ * it fits, rq_fp8t_tma_kernel, which also takes the MXFP4 -> MXFP4
+ * transposes that fit it, and conversions between row-block modes the
  * row-segment kernel.
  * GEMM-layout padding entries get 1.0 (E8M0 127) from a separate kernel.
  * BLOCK_128x128 -> BLOCK_128x128 is an exact transpose of codes and scale
@@ -850,28 +851,45 @@ FM_DI uint32_t rqf_enc2(uint32_t h)
     return d;
 }
 
+/* The byte selectors of rqf_t4's two levels (pairs of rows, then pairs of
+ * pairs); rqf_tsel_of(x) reads rows held in the order k ^ x (x < 4). */
+typedef struct rqf_tsel {
+    uint32_t lo1, hi1, lo2, hi2;
+} rqf_tsel;
+
+FM_DI rqf_tsel rqf_tsel_of(uint32_t x)
+{
+    rqf_tsel t;
+    t.lo1 = x & 1u ? 0x1504u : 0x5140u;
+    t.hi1 = x & 1u ? 0x3726u : 0x7362u;
+    t.lo2 = x & 2u ? 0x1054u : 0x5410u;
+    t.hi2 = x & 2u ? 0x3276u : 0x7632u;
+    return t;
+}
+
 /* 4 x 4 bytes: rows r0..r3 (byte i = column i) -> c[i] = column i (byte k = row k). */
 FM_DI void rqf_t4(uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3, uint32_t *c0, uint32_t *c1, uint32_t *c2,
-                  uint32_t *c3)
+                  uint32_t *c3, const rqf_tsel &ts)
 {
-    const uint32_t t0 = __byte_perm(r0, r1, 0x5140), t1 = __byte_perm(r0, r1, 0x7362);
-    const uint32_t t2 = __byte_perm(r2, r3, 0x5140), t3 = __byte_perm(r2, r3, 0x7362);
-    *c0 = __byte_perm(t0, t2, 0x5410);
-    *c1 = __byte_perm(t0, t2, 0x7632);
-    *c2 = __byte_perm(t1, t3, 0x5410);
-    *c3 = __byte_perm(t1, t3, 0x7632);
+    const uint32_t t0 = __byte_perm(r0, r1, ts.lo1), t1 = __byte_perm(r0, r1, ts.hi1);
+    const uint32_t t2 = __byte_perm(r2, r3, ts.lo1), t3 = __byte_perm(r2, r3, ts.hi1);
+    *c0 = __byte_perm(t0, t2, ts.lo2);
+    *c1 = __byte_perm(t0, t2, ts.hi2);
+    *c2 = __byte_perm(t1, t3, ts.lo2);
+    *c3 = __byte_perm(t1, t3, ts.hi2);
 }
 
 /* 8 rows of 8 bytes (cw[k][q]: row k, columns 4 q .. 4 q + 3) -> col[j][h]:
- * column j, rows 4 h .. 4 h + 3. */
-FM_DI void rqf_t8(const uint32_t (&cw)[8][2], uint32_t (&col)[8][2])
+ * column j, rows 4 h .. 4 h + 3; with ts = rqf_tsel_of(x), cw[k] holding
+ * row k ^ x. */
+FM_DI void rqf_t8(const uint32_t (&cw)[8][2], uint32_t (&col)[8][2], const rqf_tsel &ts = rqf_tsel_of(0))
 {
 #pragma unroll
     for (int h = 0; h < 2; h++)
 #pragma unroll
         for (int q = 0; q < 2; q++)
             rqf_t4(cw[4 * h][q], cw[4 * h + 1][q], cw[4 * h + 2][q], cw[4 * h + 3][q], &col[4 * q][h],
-                   &col[4 * q + 1][h], &col[4 * q + 2][h], &col[4 * q + 3][h]);
+                   &col[4 * q + 1][h], &col[4 * q + 2][h], &col[4 * q + 3][h], ts);
 }
 
 /* Factors 2^(p - Q) as half bits, by e = clamp(p - Q, -26, 1) + 26: 0 for
@@ -1141,7 +1159,8 @@ static __device__ __noinline__ int rqf_exact_key(uint32_t c0, uint32_t c1, const
     return key;
 }
 
-/* ... and its output codes through F32, for any d (rq_mult's clamps). */
+/* ... and its output codes through F32, for any d (rq_mult's clamps); an
+ * E2M1 output's 8 codes in .x (row k in bits 4k..4k+3). */
 template <int TI, int TO>
 static __device__ __noinline__ uint2 rqf_slow_col(uint32_t c0, uint32_t c1, const int *pin, int pout)
 {
@@ -1151,8 +1170,12 @@ static __device__ __noinline__ uint2 rqf_slow_col(uint32_t c0, uint32_t c1, cons
         const uint32_t h = rqf_h2<TI>((q < 2 ? c0 : c1) >> (16 * (q & 1)));
         const float lo = fm_hw_f16_to_f32((uint16_t)(h & 0xFFFFu)), hi = fm_hw_f16_to_f32((uint16_t)(h >> 16));
         const float ylo = __fmul_rn(lo, rq_mult(pin[2 * q], pout)), yhi = __fmul_rn(hi, rq_mult(pin[2 * q + 1], pout));
-        e[q] = TO == FM_DTYPE_E4M3 ? fm_hw_e4m3x2(ylo, yhi) : fm_hw_e5m2x2(ylo, yhi);
+        e[q] = TO == FM_DTYPE_E4M3   ? fm_hw_e4m3x2(ylo, yhi)
+             : TO == FM_DTYPE_E5M2 ? fm_hw_e5m2x2(ylo, yhi)
+                                   : (uint32_t)fm_e2m1_from_f32(ylo) | ((uint32_t)fm_e2m1_from_f32(yhi) << 4);
     }
+    if (TO == FM_DTYPE_E2M1)
+        return make_uint2(e[0] | (e[1] << 8) | (e[2] << 16) | (e[3] << 24), 0u);
     return make_uint2(e[0] | (e[1] << 16), e[2] | (e[3] << 16));
 }
 
@@ -1453,15 +1476,19 @@ __global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqp
     asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
-/* ---- the plain FP8 -> FP8 1x128 and MX32 transposes, fed by TMA -------------
+/* ---- the plain FP8 -> FP8 1x128 and MX32 (and MXFP4) transposes, fed by TMA
  * rq_fp8t_kernel's arithmetic for the commonest calls (E4M3 -> E4M3 or E5M2
  * -> E5M2, 1 x 128 F32 scales -> 128 x 1, TIGHT or ROWMAX, or -> 128 x 128
  * under ROWMAX, where the consumer warps agree on the tile's one non-finite
  * verdict at a named barrier; (MX) MX32 -> MX32 under any rule, each lane's
  * 8 rows in one 32 x 32 block of the tile, whose Q its 4 lanes find among
  * themselves from the rows' E8M0 words: 226.4-227.4 -> 158.4-159.3 us
- * against rq_fp8t_kernel, H200, [32768, 7168]; one matrix, a stack of
- * experts, (G)
+ * against rq_fp8t_kernel, H200, [32768, 7168]; (X) MXFP4 -> MXFP4 the same
+ * way, its codes read as the E4M3 codes of 2^-6 their values and encoded
+ * by fm_fp8x8_e2m1's half-precision FMAs, for plain calls and groups of
+ * whole tiles (rq_tma_fits): 436 -> 177 us against the tile kernel, H200,
+ * S40-6, and bound by the ALU pipe (ncu S40-3, S40-5: its PRMTs, LOP3s and
+ * half minima wait for it); one matrix, a stack of experts, (G)
  * fm_transpose_scaled_grouped's groups of any size (a ragged group's last
  * tile masked, rqt_mask_rows), or fm_transpose_scaled_grouped_rows's token
  * rows, gathered: rqt_gather_rows),
@@ -1508,11 +1535,20 @@ __global__ void __launch_bounds__(RQTHREADS, G ? 3 : 2) rq_fp8t_kernel(const rqp
  * (Q, smallest exponent; not used by MX). */
 #define RQT_DYN_SMEM (1024 + RQT_STAGES * (RQT * RQT + RQT * 4 + 8))
 
+/* T: the element dtype; E2M1 codes go through the kernel as the E4M3 codes
+ * of 2^-6 their values (fm_e2m1x8_as_e4m3), whose rules these are. */
 template <int T>
 struct rqt_fmt {
-    static const int kbias = T == FM_DTYPE_E4M3 ? 23 : 30; /* 15 + the element's emax: f16 K -> p_out - Q */
-    static const int exact_rows = T == FM_DTYPE_E4M3 ? 15 : 8; /* octaves below Q that keep every s exact */
-    static const uint32_t kfast = rqf_thr<T>::v > 0x400u ? rqf_thr<T>::v : 0x400u; /* exact and normal */
+    static const bool x = T == FM_DTYPE_E2M1;
+    static const int tc = x ? FM_DTYPE_E4M3 : T; /* the codes' dtype in the kernel */
+    /* f16 K -> p_out - Q: 15 + the element's emax (E2M1: less the 6 octaves of its E4M3 codes) */
+    static const int kbias = T == FM_DTYPE_E4M3 ? 23 : T == FM_DTYPE_E5M2 ? 30 : 11;
+    /* the power-of-two rule rounds K's exponent up past a mantissa of 1.75 (E4M3 448, E5M2 57344) or 1.5 (E2M1 6) */
+    static const int kround = x ? 0x1FF : 0xFF;
+    static const int exact_rows = T == FM_DTYPE_E4M3 ? 15 : 8; /* octaves below Q that keep every s exact (FP8) */
+    /* exact and normal; E2M1: also p_out >= Q - 8, so that the encoder's
+     * shift Q - p_out + 6 stays inside fm_h2_shift3_of's range (rqt_enc8x) */
+    static const uint32_t kfast = x ? 0xC00u : rqf_thr<T>::v > 0x400u ? rqf_thr<T>::v : 0x400u;
 };
 
 /* Whether the call was refused (rq_refused); if so, after the copies a
@@ -1544,6 +1580,46 @@ FM_DI uint2 rqt_enc8(const uint32_t sv[4], int d)
     return make_uint2(e[0] | (e[1] << 16), e[2] | (e[3] << 16));
 }
 
+/* X: column j's 8 E2M1 codes (row k in bits 4k..4k+3) from its scaled
+ * halves sv, which hold 2^-6 the values (rqt_fmt), and its E4M3-read codes
+ * c (the signs): enc(s x 2^(d + 6)), d = Q - p_out in [0, 8]. The 6 to 14
+ * octaves keep fm_h2_shift3_of's three multipliers normal, made here
+ * without its branches. CLAMP for MX_FLOOR, whose products may pass 6;
+ * under the other rules none does (p_out is at least each element's own
+ * exponent), and the minimum would change nothing.
+ * Every s is exact but in rows more than 17 octaves below Q, where it is
+ * under 1.5 x 2^-21: times at most 2^14 such a value, exact or rounded,
+ * encodes as a zero of its sign, as fm_requant_code makes it. */
+template <bool CLAMP>
+FM_DI uint32_t rqt_enc8x(const uint32_t (&sv)[4], const uint32_t (&c)[2], int d)
+{
+    fm_h2_shift3 m;
+    m.at = ((uint32_t)(d + 21) << 10) * 0x10001u; /* 2^(d + 6): exponent field d + 6 + 15 */
+    m.up = m.at + 0x04000400u;
+    m.down = m.at - 0x04000400u;
+    uint32_t e[4];
+#pragma unroll
+    for (int q = 0; q < 4; q++)
+        e[q] = fm_h2_e2m1_mag<CLAMP>(sv[q], m);
+    return fm_e2m1_signed_row(e, c[0], c[1]);
+}
+
+/* X, every column's d in [0, 8]: the lane's 8 columns' codes, one 4-byte
+ * store each at o + column x step. */
+template <bool CLAMP>
+FM_DI void rqt_store8x(uint8_t *o, int64_t step, const uint32_t (&sv)[8][4], const uint32_t (&col)[8][2], int Q,
+                       const int (&po)[8], int ncol)
+{
+    /* o stepped a column at a time: o + j x step took 59 instructions a
+     * warp and tile for the 8 stores (ncu, S40-5) */
+#pragma unroll
+    for (int j = 0; j < 8; j++, o += step) {
+        const uint32_t v = rqt_enc8x<CLAMP>(sv[j], col[j], Q - po[j]);
+        if (j < ncol)
+            __stcs((unsigned int *)o, v);
+    }
+}
+
 /* Whether v holds in any of the 8 consumer warps' threads (a named barrier
  * of theirs; the producer warp is not in it). Only the predicate crosses
  * it, so memory accesses may move across. */
@@ -1566,12 +1642,16 @@ FM_DI void rqt_pins(const int (&pk)[8], int (&pn)[8])
         pn[k] = MX ? rq_pin((uint32_t)pk[k], 1) : pk[k];
 }
 
-/* The lane's 8 row exponents into its own slot, for the exact paths. */
-template <bool MX>
+/* The lane's 8 row exponents into its own slot, for the exact paths; X:
+ * 6 octaves up, as the E4M3 codes of 2^-6 an E2M1 value read them. */
+template <bool MX, bool X>
 FM_DI void rqt_put_pins(int *pins, const int (&pk)[8])
 {
     int pn[8];
     rqt_pins<MX>(pk, pn);
+#pragma unroll
+    for (int k = 0; k < 8; k++)
+        pn[k] += X && rq_pin_valid(pn[k]) ? 6 : 0;
     *(int4 *)pins = make_int4(pn[0], pn[1], pn[2], pn[3]);
     *(int4 *)(pins + 4) = make_int4(pn[4], pn[5], pn[6], pn[7]);
 }
@@ -1761,6 +1841,10 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
 
     static_assert(RQT_STAGES % P == 0, "each stage has one producer");
     static_assert(G || !RAG, "ragged tiles are groups'");
+    /* X: MXFP4, a tile's rows of 64 bytes, read as E4M3 codes (rqt_fmt) */
+    constexpr bool X = rqt_fmt<T>::x;
+    constexpr int TC = rqt_fmt<T>::tc;
+    static_assert(!X || (MX && !RAG), "MXFP4 -> MXFP4 only, in whole-byte output rows");
     if (blockIdx.x >= p.ntiles)
         return;
     /* offsets from rqt_dyn keep the accesses in the shared window (LDS, not generic loads) */
@@ -1817,8 +1901,9 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
                 rqt_gather_rows<MX>(p, tl, codes + s * RQT * RQT, raw);
                 sm90_cp_async_arrive(&full[s]);
             } else if (lane == 0) {
-                sm90_bar_expect(&full[s], RQT * RQT);
-                sm90_tma_load_3d(codes + s * RQT * RQT, &map, &full[s], (int)tl.c0, (int)(tl.srow + tl.r0), (int)te);
+                sm90_bar_expect(&full[s], (RQT * RQT) >> X);
+                sm90_tma_load_3d(codes + s * RQT * RQT, &map, &full[s], (int)(tl.c0 >> X), (int)(tl.srow + tl.r0),
+                                 (int)te);
             }
             if constexpr (MX) {
                 /* the rows' words as loaded: each consumer lane takes its
@@ -1854,17 +1939,28 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
     if (rq_refused(p.verdict))
         return;
 
-    const int rg = lane >> 1, cg = lane & 1, m = rg & 7, cl = 16 * w + 8 * cg;
+    /* X reads its rows in the order k ^ (rg % 4) (see below) */
+    const int rg = lane >> 1, cg = lane & 1, m = rg & (X ? 3 : 7), cl = 16 * w + 8 * cg;
     /* Byte selectors that put the lane's rows back in order (see above). */
     uint32_t sel[2];
+    if constexpr (!X)
 #pragma unroll
-    for (int h = 0; h < 2; h++) {
-        sel[h] = 0;
+        for (int h = 0; h < 2; h++) {
+            sel[h] = 0;
 #pragma unroll
-        for (int b = 0; b < 4; b++)
-            sel[h] |= (uint32_t)(4 * (h ^ (m >> 2)) + (b ^ (m & 3))) << (4 * b);
-    }
-    const uint32_t lane_off = 1024u * rg + 8u * cg + 128u * m + 16u * (w ^ m);
+            for (int b = 0; b < 4; b++)
+                sel[h] |= (uint32_t)(4 * (h ^ (m >> 2)) + (b ^ (m & 3))) << (4 * b);
+        }
+    /* X: the lane's 8 rows of 4 bytes (8 codes), rows of 64 bytes under the
+     * 64-byte swizzle (16-byte chunk c of row r at c ^ ((r / 2) % 4)). Rows
+     * k ^ m, m = rg % 4, spread a warp's loads over 8 banks (a 4-way
+     * conflict on loads of 4 bytes: 8 of them a tile), and the transposes'
+     * own byte selectors put them back in order (rqf_tsel_of), where the
+     * FP8 tile's order k ^ (rg % 8) takes two more PRMTs a column. */
+    const rqf_tsel xts = rqf_tsel_of((uint32_t)m);
+    const uint32_t lane_off = X ? 512u * rg + 64u * m + 16u * ((uint32_t)(w >> 1) ^ ((uint32_t)m >> 1)) +
+                                      4u * (2u * (w & 1) + cg)
+                                : 1024u * rg + 8u * cg + 128u * m + 16u * (w ^ m);
     const bool rowmax = p.rule == FM_REQUANT_ROWMAX;
     int i = 0;
     for (uint32_t t = blockIdx.x; t < p.ntiles; t += gridDim.x, i++) {
@@ -1879,7 +1975,15 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
 #pragma unroll
             for (int k = 0; k < 8; k++) {
                 uint32_t x, y;
-                asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(x), "=r"(y) : "r"(a0 ^ (144u * k)) : "memory");
+                if constexpr (X) {
+                    /* row k ^ m: 64 (k ^ m) and its chunk's swizzle (k ^ m) / 2 XOR onto the lane's offset */
+                    asm volatile("ld.shared.u32 %0, [%1];"
+                                 : "=r"(x)
+                                 : "r"(a0 ^ (64u * k + 16u * ((k >> 1) & 3)))
+                                 : "memory");
+                    y = 0u; /* the row's 8 codes are its 4 bytes */
+                } else
+                    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(x), "=r"(y) : "r"(a0 ^ (144u * k)) : "memory");
                 cw[k][0] = x;
                 cw[k][1] = y;
             }
@@ -1890,18 +1994,37 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
             pk[0] = a.x, pk[1] = a.y, pk[2] = a.z, pk[3] = a.w, pk[4] = b.x, pk[5] = b.y, pk[6] = b.z, pk[7] = b.w;
         }
         const int2 qm = MX ? make_int2(0, 0) : qmin[s];
+        const bool floor_rule = MX && p.rule == FM_REQUANT_MX_FLOOR;
         __syncwarp();
         if (lane == 0)
             sm90_bar_arrive(&empty[s]);
 
         /* col[j][h]: column j, rows 4 h .. 4 h + 3 */
         uint32_t col[8][2];
-        rqf_t8(cw, col);
+        if constexpr (X) {
+            /* the rows' bytes transposed (byte column b: columns 2b, 2b + 1),
+             * then each byte column's codes read as E4M3 ones: 16 PRMTs a
+             * tile and 5 instructions a word, where spreading each row into 8
+             * bytes first (fm_e2m1x8_as_e4m3) and transposing those took 32
+             * PRMTs and 10 a row (ncu S40-3 -> S40-5, with the factors and
+             * |s| below: 126.1M -> 113.1M warp instructions, 202 -> 181 us) */
 #pragma unroll
-        for (int j = 0; j < 8; j++) {
-            const uint32_t a = col[j][0], b = col[j][1];
-            col[j][0] = __byte_perm(a, b, sel[0]);
-            col[j][1] = __byte_perm(a, b, sel[1]);
+            for (int h = 0; h < 2; h++) {
+                uint32_t bc[4];
+                rqf_t4(cw[4 * h][0], cw[4 * h + 1][0], cw[4 * h + 2][0], cw[4 * h + 3][0], &bc[0], &bc[1], &bc[2],
+                       &bc[3], xts);
+#pragma unroll
+                for (int b = 0; b < 4; b++)
+                    fm_e2m1x8_as_e4m3_split(bc[b], &col[2 * b][h], &col[2 * b + 1][h]);
+            }
+        } else {
+            rqf_t8(cw, col);
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const uint32_t a = col[j][0], b = col[j][1];
+                col[j][0] = __byte_perm(a, b, sel[0]);
+                col[j][1] = __byte_perm(a, b, sel[1]);
+            }
         }
         /* RAG: the tile now, for the mask; else after the keys (held from
          * here, the plain call spilled registers and the grouped ones ran
@@ -1924,12 +2047,15 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
          * not above any row's, and their codes are zeros. Qf: Q as the
          * factor table's reference (the bytes' bias kept). */
         int Q, Qf, qlo;
+        bool table = true;   /* the rows' factors from flut (below) */
+        uint32_t ew[2] = {}; /* MX: the rows' bytes */
         if constexpr (MX) {
             const uint32_t b = (uint32_t)(w >> 1), s2 = b | ((b + 4u) << 4);
             const uint32_t e03 = __byte_perm(__byte_perm((uint32_t)pk[0], (uint32_t)pk[1], s2),
                                              __byte_perm((uint32_t)pk[2], (uint32_t)pk[3], s2), 0x5410);
             const uint32_t e47 = __byte_perm(__byte_perm((uint32_t)pk[4], (uint32_t)pk[5], s2),
                                              __byte_perm((uint32_t)pk[6], (uint32_t)pk[7], s2), 0x5410);
+            const uint32_t nan = __vcmpeq4(e03, 0xFFFFFFFFu) | __vcmpeq4(e47, 0xFFFFFFFFu);
             uint32_t hi = __vmaxu4(e03 & ~__vcmpeq4(e03, 0xFFFFFFFFu), e47 & ~__vcmpeq4(e47, 0xFFFFFFFFu));
             uint32_t lo = __vminu4(e03, e47);
             hi = __vmaxu4(hi, hi >> 16);
@@ -1941,6 +2067,9 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
             Qf = (int)(v & 0xFFu);
             Q = Qf - 127;
             qlo = (int)(~(v >> 16) & 0xFFu) - 127;
+            table = !X || nan != 0u || (int)(lo & 0xFFu) < Qf - 14;
+            ew[0] = e03;
+            ew[1] = e47;
 #pragma unroll
             for (int k = 0; k < 8; k++)
                 pk[k] = (int)(((k < 4 ? e03 : e47) >> (8 * (k & 3))) & 0xFFu);
@@ -1952,16 +2081,25 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
         /* s = h x 2^(p_in - Q), two rows a word: sv[j][q] holds rows 2 q, 2 q + 1 of column j */
         uint32_t sv[8][4];
         {
+            /* X: the factors as normal halves from the bytes, two rows at a
+             * time (PRMT, IMAD), when no row of the lane is NaN or more than
+             * 14 octaves below Q: the table's lookups took 56 of a warp's
+             * 1100 instructions a tile (ncu, S40-3). (The FP8 MX32 kernel
+             * keeps the table: this spilled more of its registers.) */
             uint32_t F[4];
+            const uint32_t c = (uint32_t)(15 - Qf) * 0x04000400u;
 #pragma unroll
             for (int q = 0; q < 4; q++)
-                F[q] = rqf_factor(flut, pk[2 * q], Qf) | (rqf_factor(flut, pk[2 * q + 1], Qf) << 16);
+                F[q] = table ? rqf_factor(flut, pk[2 * q], Qf) | (rqf_factor(flut, pk[2 * q + 1], Qf) << 16)
+                             : __byte_perm(ew[q >> 1], 0u, q & 1 ? 0x4342 : 0x4140) * 1024u + c;
 #pragma unroll
             for (int j = 0; j < 8; j++)
 #pragma unroll
                 for (int q = 0; q < 4; q++) {
-                    const uint32_t h = rqf_h2<T>(col[j][q >> 1] >> (16 * (q & 1)));
-                    const __half2 y = __hmul2(*(const __half2 *)&h, *(const __half2 *)&F[q]);
+                    const uint32_t h = rqf_h2<TC>(col[j][q >> 1] >> (16 * (q & 1)));
+                    /* X: |s| (the signs come from col), an operand modifier of the multiply */
+                    const __half2 y = __hmul2(X ? __habs2(*(const __half2 *)&h) : *(const __half2 *)&h,
+                                              *(const __half2 *)&F[q]);
                     sv[j][q] = *(const uint32_t *)&y;
                 }
         }
@@ -1974,9 +2112,9 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
             if constexpr (MX) {
                 int pn[8];
                 rqt_pins<MX>(pk, pn);
-                nfb = rqf_nonfinite_cols<T>(col, pn, false);
+                nfb = rqf_nonfinite_cols<TC>(col, pn, false);
             } else
-                nfb = rqf_nonfinite_cols<T>(col, pk, true);
+                nfb = rqf_nonfinite_cols<TC>(col, pk, true);
             const int pq = Q < -127 ? -127 : Q > 127 ? 127 : Q; /* a tile of no finite row is all NaN */
             /* one 128 x 128 block a tile: non-finite as a whole when any
              * stored column is. The columns past the matrix need no mask:
@@ -1995,8 +2133,8 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
                     const uint32_t *v = sv[2 * i2 + e];
-                    mx[e] = __vmaxu2(__vimax3_u16x2(v[0] & 0x7FFF7FFFu, v[1] & 0x7FFF7FFFu, v[2] & 0x7FFF7FFFu),
-                                     v[3] & 0x7FFF7FFFu);
+                    const uint32_t a = X ? 0xFFFFFFFFu : 0x7FFF7FFFu; /* X: sv holds |s| */
+                    mx[e] = __vmaxu2(__vimax3_u16x2(v[0] & a, v[1] & a, v[2] & a), v[3] & a);
                 }
                 kp[i2] = rqf_block_max<true>(__vmaxu2(__byte_perm(mx[0], mx[1], 0x5410), __byte_perm(mx[0], mx[1], 0x7632)),
                                              !MX);
@@ -2007,10 +2145,8 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
             const bool plain = rq_min((int)(kmin & 0xFFFFu), (int)(kmin >> 16)) >= (int)rqt_fmt<T>::kfast &&
                                rq_max((int)(kmax & 0xFFFFu), (int)(kmax >> 16)) < 0x7C00;
             /* K's exponent field less kbias is floor(log2 K) - emax: the MX
-             * floor rule; rounded up past 1.75 (E4M3 448, E5M2 57344) the
-             * power-of-two rule */
-            const bool floor_rule = MX && p.rule == FM_REQUANT_MX_FLOOR;
-            const int kadd = floor_rule ? 0 : 0xFF;
+             * floor rule; rounded up (rqt_fmt::kround) the power-of-two rule */
+            const int kadd = floor_rule ? 0 : rqt_fmt<T>::kround;
             if (plain) {
 #pragma unroll
                 for (int j = 0; j < 8; j++) {
@@ -2026,9 +2162,10 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
                     key = RQ_BADP;
                 else if (K >= rqt_fmt<T>::kfast)
                     key = Q + (((int)K + kadd) >> 10) - rqt_fmt<T>::kbias;
-                else if (K >= rqf_thr<T>::v) {
+                else if (K >= rqf_thr<TC>::v) {
                     const float a = __half2float(__ushort_as_half((unsigned short)K));
-                    key = (floor_rule ? fm_mx_floor_scale_exp(a, (fm_dtype)T) : fm_pow2_scale_exp(a, (fm_dtype)T)) + Q;
+                    key = (floor_rule ? fm_mx_floor_scale_exp(a, (fm_dtype)T) : fm_pow2_scale_exp(a, (fm_dtype)T)) + Q +
+                          (X ? 6 : 0);
                 }
                 else {
                     key = RQF_FAIL;
@@ -2040,11 +2177,11 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
         const bool slow_keys = __any_sync(0xFFFFFFFFu, fail);
         if (slow_keys) {
             /* The CPU's keys, element by element, for the blocks K could not settle (warp-wide reductions). */
-            rqt_put_pins<MX>(slow_pin[w][lane], pk);
+            rqt_put_pins<MX, X>(slow_pin[w][lane], pk);
 #pragma unroll
             for (int j = 0; j < 8; j++) {
                 const int ck = (int)rqf_block_max<false>(
-                    (uint32_t)rqf_exact_key<T, T>(col[j][0], col[j][1], slow_pin[w][lane], p.rule), !MX);
+                    (uint32_t)rqf_exact_key<TC, T>(col[j][0], col[j][1], slow_pin[w][lane], p.rule), !MX);
                 if (po[j] == RQF_FAIL)
                     po[j] = rq_block_exp(ck);
             }
@@ -2068,7 +2205,7 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
         }
 
         /* 2. codes: enc(s x 2^(Q - p_out)), or the exact path (see the top comment) */
-        const int dmax = qlo >= Q - rqt_fmt<T>::exact_rows ? 15 : T == FM_DTYPE_E4M3 ? 6 : -1;
+        const int dmax = X ? 8 : qlo >= Q - rqt_fmt<T>::exact_rows ? 15 : T == FM_DTYPE_E4M3 ? 6 : -1;
         bool fast = true;
 #pragma unroll
         for (int j = 0; j < 8; j++) {
@@ -2077,6 +2214,35 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
         }
         const int64_t oc = tl.r0 + 8 * rg;
         const int ncol = oc < tl.Co ? (int)min((int64_t)8, p.Ro - (tl.c0 + cl)) : 0; /* columns to store */
+        if constexpr (X) {
+            /* whole 8-row pieces (rq_tma_fits): one 4-byte store a column */
+            uint8_t *o = tl.out + (((tl.c0 + cl) * tl.Co + oc) >> 1);
+            const int64_t step = tl.Co >> 1;
+            if (fast) {
+                /* only MX_FLOOR's products may pass 6 (rqt_enc8x) */
+                if (floor_rule)
+                    rqt_store8x<true>(o, step, sv, col, Q, po, ncol);
+                else
+                    rqt_store8x<false>(o, step, sv, col, Q, po, ncol);
+                continue;
+            }
+            if (!slow_keys)
+                rqt_put_pins<MX, X>(slow_pin[w][lane], pk);
+#pragma unroll
+            for (int j = 0; j < 8; j++, o += step) {
+                const int d = Q - po[j];
+                uint32_t v;
+                if (d >= 0 && d <= dmax)
+                    v = rqt_enc8x<true>(sv[j], col[j], d);
+                else if (po[j] == RQ_BADP)
+                    v = 0u; /* E2M1 has no NaN: format.h's fm_elem_nan */
+                else
+                    v = rqf_slow_col<TC, T>(col[j][0], col[j][1], slow_pin[w][lane], po[j]).x;
+                if (j < ncol)
+                    __stcs((unsigned int *)o, v);
+            }
+            continue;
+        }
         /* bytes a column: 8, but for a ragged group's last lanes */
         const int nb = (int)min((int64_t)8, tl.Co - oc);
         /* every output row 8-byte aligned (a ragged group's need not be) */
@@ -2092,7 +2258,7 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
             continue;
         }
         if (!slow_keys)
-            rqt_put_pins<MX>(slow_pin[w][lane], pk);
+            rqt_put_pins<MX, X>(slow_pin[w][lane], pk);
 #pragma unroll
         for (int j = 0; j < 8; j++, o += tl.Co) {
             const int d = Q - po[j];
@@ -2130,13 +2296,15 @@ static int rq_tma_fits(const rqparams &p, const cudaDeviceProp &prop, int same_d
     const int f32 = p.in_mode == FM_SCALE_BLOCK_1x128 &&
                     (p.out_mode == FM_SCALE_BLOCK_1x128 || (p.tile && p.rule == FM_REQUANT_ROWMAX)) && !p.in_e8 &&
                     !p.out_e8 && (p.rule == FM_REQUANT_TIGHT || p.rule == FM_REQUANT_ROWMAX);
-    /* MX32 -> MX32 under any rule, FP8 (not E2M1, which would also take
-     * p.cols_first's tile order in the tile kernel: 435 -> 444 us, H200):
-     * a row's 4 exponents of a tile are one aligned word (whole 128-column
-     * tiles; the scale arrays word aligned) */
+    /* MX32 -> MX32 under any rule: a row's 4 exponents of a tile are one
+     * aligned word (whole 128-column tiles; the scale arrays word aligned).
+     * MXFP4 only where each lane's 8 rows are whole bytes of an output row
+     * that a 4-byte store may write: plain calls (p.R % 8), groups of whole
+     * tiles (the rest, ragged ones included, keep the tile kernel, in its
+     * own tile order: p.cols_first cost it 435 -> 444 us, H200, S39-6). */
     const int mx = p.in_mode == FM_SCALE_MX32 && p.out_mode == FM_SCALE_MX32 && p.in_e8 && p.out_e8 &&
-                   !p.in_half && p.C % RQT == 0 && (uintptr_t)p.in_scale % 4 == 0 &&
-                   (uintptr_t)p.out_scale % 4 == 0;
+                   (!p.in_half || (!newer && (uintptr_t)p.out % 8 == 0)) && p.C % RQT == 0 &&
+                   (uintptr_t)p.in_scale % 4 == 0 && (uintptr_t)p.out_scale % 4 == 0;
     return knob && same_dtype && tr && (!newer || knob == 2) && (f32 || mx) && p.C % 16 == 0 &&
            (uintptr_t)p.in % 16 == 0 && (grouped || (p.R % 8 == 0 && (uintptr_t)p.out % 8 == 0)) &&
            prop.major == 9 && prop.minor == 0 && sm90_tensor_map_encoder() != NULL;
@@ -2207,20 +2375,23 @@ template <int T, bool G, bool MX>
 static cudaError_t rq_tma_launch(const rqparams &p, int sms, cudaStream_t s)
 {
     const int64_t E = G ? 1 : (int64_t)p.ntiles / ((int64_t)p.ntr.d * p.ntc.d);
+    constexpr int X = T == FM_DTYPE_E2M1; /* rows of C / 2 bytes, a tile's of 64 */
     CUtensorMap map;
-    const cuuint64_t dims[3] = {(cuuint64_t)p.C, (cuuint64_t)p.R, (cuuint64_t)E};
-    const cuuint64_t strides[2] = {(cuuint64_t)p.C, (cuuint64_t)(p.R * p.C)};
-    const cuuint32_t box[3] = {RQT, RQT, 1}, es[3] = {1, 1, 1};
+    const cuuint64_t dims[3] = {(cuuint64_t)(p.C >> X), (cuuint64_t)p.R, (cuuint64_t)E};
+    const cuuint64_t strides[2] = {(cuuint64_t)(p.C >> X), (cuuint64_t)((p.R * p.C) >> X)};
+    const cuuint32_t box[3] = {RQT >> X, RQT, 1}, es[3] = {1, 1, 1};
     if (p.rmap) /* gathered: no map */
         memset(&map, 0, sizeof map);
     else if (sm90_tensor_map_encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, (void *)p.in, dims, strides, box, es,
-                                       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                       CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                       X ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B,
                                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
         return cudaErrorNotSupported;
     if constexpr (G) {
-        if (p.tma_rag)
-            return rq_tma_launch_p<T, G, 1, true, MX>(map, p, sms, s);
+        if constexpr (!X) /* never set for MXFP4 */
+            if (p.tma_rag)
+                return rq_tma_launch_p<T, G, 1, true, MX>(map, p, sms, s);
         if (rq_tma_producers() == 2)
             return rq_tma_launch_p<T, G, 2, false, MX>(map, p, sms, s);
     }
@@ -2769,6 +2940,13 @@ static cudaError_t rq_launch3(const rqparams &p, int sms, cudaStream_t s)
     if constexpr (F && TI == TO) {
         if (p.tma) {
             err = p.in_e8 ? rq_tma_launch<TI, G, true>(p, sms, s) : rq_tma_launch<TI, G, false>(p, sms, s);
+            if (err != cudaErrorNotSupported)
+                return err;
+        }
+    }
+    if constexpr (TR && TI == FM_DTYPE_E2M1 && TO == FM_DTYPE_E2M1) {
+        if (p.tma) { /* MXFP4 -> MXFP4 (rq_tma_fits) */
+            err = rq_tma_launch<TI, G, true>(p, sms, s);
             if (err != cudaErrorNotSupported)
                 return err;
         }
