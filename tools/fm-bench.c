@@ -285,6 +285,7 @@ static const bcase cases[] = {
      * pattern itself costs, the ceiling for the rows above. */
     {"transpose_scaled E4M3 128x128 row->col (bytes only)", OP_TRANSPOSE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128, 1, 0},
     {"transpose_scaled E2M1 MX32 row->col", OP_TRANSPOSE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E2M1, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E2M1, FM_SCALE_MX32, 0, 0},
+    {"transpose_scaled_grouped E2M1 MX32 row->col, 8 experts of 128-row multiples", OP_TRANSPOSE_GROUPED128, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E2M1, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E2M1, FM_SCALE_MX32, 0, 0},
     /* From 1x128 (F32 scales) the op checks that every scale is a power of two and reads the
      * verdict back before it writes (a stream synchronisation, on the clock); from MX32 (E8M0)
      * there is nothing to check. */
