@@ -1,8 +1,8 @@
 /* CUDA fm_transpose_scaled_grouped writes the CPU reference's bytes (codes,
  * the grouped scale arrays, GEMM-layout padding, nonfinite count) for every
  * input / output format pair, ragged splits with empty groups and groups of
- * 1, 127, 128 and 129 rows, groups all of whole 128-row tiles, all rows in
- * one group, and NaN blocks, and the
+ * 1, 127, 128 and 129 rows, groups all of whole 128-row tiles (MXFP4 among
+ * them under every rule), all rows in one group, and NaN blocks, and the
  * ROWMAX transpose into BLOCK_128x128 (one scale a tile); nothing
  * past the grouped layout is written; non-power-of-two scales are refused
  * alike. fm-xval runs a wider matrix; this is the short form. The same for
@@ -323,6 +323,12 @@ int main(void)
                 run_case(cpu, gpu, sz, G, N, fmts[a], fmts[b], rule, (fm_scale_layout)(c & 1),
                          (fm_scale_layout)((c >> 1) & 1), c % 5 == 0, 0, 0);
             }
+    /* MXFP4 -> MXFP4 in groups of whole tiles (the TMA kernel's MXFP4 form):
+     * every rule, each pair of scale layouts, NaN blocks or none, N of one or
+     * more column tiles. */
+    for (int k = 0; k < 12; k++)
+        run_case(cpu, gpu, s_whole, 6, k % 4 < 2 ? 128 : 384, fmts[NF - 1], fmts[NF - 1], (fm_requant_rule)(k % 3),
+                 (fm_scale_layout)(k & 1), (fm_scale_layout)((k >> 1) & 1), k % 4 != 0, 0, 0);
     /* ROWMAX into one scale per 128 x 128 tile of each group (the flow
      * recipes' x and h for the weight gradients): both FP8 dtypes, both
      * layouts, NaN tiles. */
