@@ -242,6 +242,17 @@ FM_DI fm_h2_shift3 fm_h2_shift3_of(int d)
     return m;
 }
 
+/* The same for d in [-13, 14], where all three are normal: without
+ * fm_h2_pow2's subnormal branch (the MXFP4 transpose's shifts, 6 to 14). */
+FM_DI fm_h2_shift3 fm_h2_shift3_normal(int d)
+{
+    fm_h2_shift3 m;
+    m.at = ((uint32_t)(d + 15) << 10) * 0x10001u;
+    m.up = m.at + 0x04000400u;
+    m.down = m.at - 0x04000400u;
+    return m;
+}
+
 /* fm_fp8x8_e2m1's two parts (below): a pair of exact half-precision values
  * h (elements 2q, 2q + 1) times 2^d -> their magnitude codes, each in the
  * low byte of its half (1024 + code) ... */

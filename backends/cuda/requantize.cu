@@ -1541,6 +1541,7 @@ template <int T>
 struct rqt_fmt {
     static const bool x = T == FM_DTYPE_E2M1;
     static const int tc = x ? FM_DTYPE_E4M3 : T; /* the codes' dtype in the kernel */
+    static const int oct = x ? 6 : 0;            /* octaves the codes' reading lowers the values by */
     /* f16 K -> p_out - Q: 15 + the element's emax (E2M1: less the 6 octaves of its E4M3 codes) */
     static const int kbias = T == FM_DTYPE_E4M3 ? 23 : T == FM_DTYPE_E5M2 ? 30 : 11;
     /* the power-of-two rule rounds K's exponent up past a mantissa of 1.75 (E4M3 448, E5M2 57344) or 1.5 (E2M1 6) */
@@ -1582,9 +1583,8 @@ FM_DI uint2 rqt_enc8(const uint32_t sv[4], int d)
 
 /* X: column j's 8 E2M1 codes (row k in bits 4k..4k+3) from its scaled
  * halves sv, which hold 2^-6 the values (rqt_fmt), and its E4M3-read codes
- * c (the signs): enc(s x 2^(d + 6)), d = Q - p_out in [0, 8]. The 6 to 14
- * octaves keep fm_h2_shift3_of's three multipliers normal, made here
- * without its branches. CLAMP for MX_FLOOR, whose products may pass 6;
+ * c (the signs): enc(s x 2^(d + 6)), d = Q - p_out in [0, 8]: 6 to 14
+ * octaves, which keep the encoder's three multipliers normal. CLAMP for MX_FLOOR, whose products may pass 6;
  * under the other rules none does (p_out is at least each element's own
  * exponent), and the minimum would change nothing.
  * Every s is exact but in rows more than 17 octaves below Q, where it is
@@ -1593,10 +1593,7 @@ FM_DI uint2 rqt_enc8(const uint32_t sv[4], int d)
 template <bool CLAMP>
 FM_DI uint32_t rqt_enc8x(const uint32_t (&sv)[4], const uint32_t (&c)[2], int d)
 {
-    fm_h2_shift3 m;
-    m.at = ((uint32_t)(d + 21) << 10) * 0x10001u; /* 2^(d + 6): exponent field d + 6 + 15 */
-    m.up = m.at + 0x04000400u;
-    m.down = m.at - 0x04000400u;
+    const fm_h2_shift3 m = fm_h2_shift3_normal(d + rqt_fmt<FM_DTYPE_E2M1>::oct);
     uint32_t e[4];
 #pragma unroll
     for (int q = 0; q < 4; q++)
@@ -1651,7 +1648,7 @@ FM_DI void rqt_put_pins(int *pins, const int (&pk)[8])
     rqt_pins<MX>(pk, pn);
 #pragma unroll
     for (int k = 0; k < 8; k++)
-        pn[k] += X && rq_pin_valid(pn[k]) ? 6 : 0;
+        pn[k] += X && rq_pin_valid(pn[k]) ? rqt_fmt<FM_DTYPE_E2M1>::oct : 0;
     *(int4 *)pins = make_int4(pn[0], pn[1], pn[2], pn[3]);
     *(int4 *)(pins + 4) = make_int4(pn[4], pn[5], pn[6], pn[7]);
 }
@@ -2165,7 +2162,7 @@ __global__ void __launch_bounds__(RQT_THREADS(P), 2) rq_fp8t_tma_kernel(const __
                 else if (K >= rqf_thr<TC>::v) {
                     const float a = __half2float(__ushort_as_half((unsigned short)K));
                     key = (floor_rule ? fm_mx_floor_scale_exp(a, (fm_dtype)T) : fm_pow2_scale_exp(a, (fm_dtype)T)) + Q +
-                          (X ? 6 : 0);
+                          rqt_fmt<T>::oct;
                 }
                 else {
                     key = RQF_FAIL;

@@ -281,9 +281,9 @@ __global__ void fp8_e2m1_kernel(unsigned long long *bad, unsigned int *first)
  * larger in magnitude, random signs, 16 segments a thread. Each byte of
  * fm_e2m1x8_as_e4m3 and of fm_e2m1x8_as_e4m3_split (the MXFP4 transpose's
  * form: even elements, then odd ones) must be the E4M3 code of the value
- * times 2^-6, each of fm_e2m1x8_to_fp8 the FP8 code of the value times 2^d. Thread i: code =
- * i mod 16, place = (i / 16) mod 32, then d + 13 (30 values), then the
- * output dtype (2). */
+ * times 2^-6, each of fm_e2m1x8_to_fp8 the FP8 code of the value times 2^d.
+ * Thread i: code = i mod 16, place = (i / 16) mod 32, then d + 13 (30
+ * values), then the output dtype (2). */
 __global__ void e2m1_fp8_kernel(unsigned long long *bad, unsigned int *first)
 {
     const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
