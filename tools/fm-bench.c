@@ -286,9 +286,9 @@ static const bcase cases[] = {
     {"transpose_scaled E4M3 128x128 row->col (bytes only)", OP_TRANSPOSE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E4M3, FM_SCALE_BLOCK_128x128, 1, 0},
     {"transpose_scaled E2M1 MX32 row->col", OP_TRANSPOSE, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E2M1, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E2M1, FM_SCALE_MX32, 0, 0},
     {"transpose_scaled_grouped E2M1 MX32 row->col, 8 experts of 128-row multiples", OP_TRANSPOSE_GROUPED128, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E2M1, FM_SCALE_MX32, FM_SCALE_LAYOUT_COMPACT, 1, 1, 0, FM_DTYPE_E2M1, FM_SCALE_MX32, 0, 0},
-    /* From 1x128 (F32 scales) the op checks that every scale is a power of two and reads the
-     * verdict back before it writes (a stream synchronisation, on the clock); from MX32 (E8M0)
-     * there is nothing to check. */
+    /* From 1x128 (F32 scales) the op first checks on the device that every scale is a power
+     * of two (a kernel before the conversion, on the clock; no host synchronisation since
+     * S21); from MX32 (E8M0) there is nothing to check. */
     {"convert_scaled E4M3 1x128 -> E2M1 MX32", OP_CONVERT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0.85, FM_DTYPE_E2M1, FM_SCALE_MX32, 0, 0},
     {"convert_scaled E4M3 1x128 -> E2M1 MX32, trusted POW2 scales", OP_CONVERT, 1, 32768, 7168, FM_DTYPE_BF16, FM_DTYPE_E4M3, FM_SCALE_BLOCK_1x128, FM_SCALE_LAYOUT_COMPACT, 1, 0, 0, FM_DTYPE_E2M1, FM_SCALE_MX32, 1, 0},
     /* FP8 -> FP8 between block modes: the same row kernel, an FP8 encoder */
